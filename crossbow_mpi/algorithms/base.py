@@ -1,0 +1,40 @@
+"""What every algorithm shares: the central model, the learners, the communicator and one sync message."""
+
+from __future__ import annotations
+
+import torch
+
+from crossbow_mpi.comm import Communicator
+from crossbow_mpi.config import Config
+from crossbow_mpi.learners import CentralModel, Learners
+
+
+class Algorithm:
+    """Update learners and the central model once every learner's gradient is in `learners.grads`."""
+
+    name = "base"
+
+    def __init__(self, config: Config, comm: Communicator, central: CentralModel, learners: Learners):
+        self.config = config
+        self.comm = comm
+        self.central = central
+        self.learners = learners
+
+    def step(self, lr: float) -> None:
+        """Apply one iteration's update and synchronisation."""
+        raise NotImplementedError
+
+    def on_lr_drop(self) -> None:
+        """React to a learning-rate drop."""
+
+    def allreduce_with_buffers(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """Allreduce [local_sum | mean of the learners' float buffers] as one message.
+
+        BatchNorm running statistics follow one rule for every algorithm: z's buffers become the mean of
+        all learners' buffers (over every learner of every rank) at each sync.
+        """
+        num_learners = self.learners.k * self.comm.size
+        message = torch.cat([local_sum, self.learners.buffers.sum(0).div_(num_learners)])
+        self.comm.allreduce_sum_(message)
+        self.central.buffers.copy_(message[local_sum.numel():])
+        return message[:local_sum.numel()]

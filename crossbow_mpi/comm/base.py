@@ -1,0 +1,82 @@
+"""The communicator interface: tensor collectives for the data path, MPI messages for control."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+
+class Communicator(ABC):
+    """Collectives over the ranks of one job.
+
+    Tensor collectives (`allreduce_sum_`, `broadcast_`) are what a backend implements; control
+    messages (JSON, bytes) always travel over the MPI communicator, never through pickle.
+    """
+
+    def __init__(self, mpi_comm):
+        self.mpi_comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+
+    @abstractmethod
+    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace a contiguous tensor, in place, by its sum over all ranks."""
+
+    @abstractmethod
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Replace a contiguous tensor, in place, by root's copy."""
+
+    def barrier(self) -> None:
+        self.mpi_comm.Barrier()
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Return every rank's bytes, in rank order, on every rank."""
+        sizes = np.array(self.mpi_comm.allgather(len(data)), dtype=np.int64)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.mpi_comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
+
+    def scatter_bytes(self, parts: list[bytes] | None, root: int = 0) -> bytes:
+        """Send root's parts[i] to rank i; return this rank's part."""
+        sizes = np.zeros(self.size, dtype=np.int64)
+        if self.rank == root:
+            assert parts is not None and len(parts) == self.size
+            sizes[:] = [len(p) for p in parts]
+        self.mpi_comm.Bcast(sizes, root=root)
+        data = np.frombuffer(b"".join(parts), dtype=np.uint8) if self.rank == root else None
+        out = np.empty(int(sizes[self.rank]), dtype=np.uint8)
+        self.mpi_comm.Scatterv([data, sizes] if self.rank == root else None, out, root=root)
+        return out.tobytes()
+
+    def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """Return root's bytes on every rank."""
+        size = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
+        self.mpi_comm.Bcast(size, root=root)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        self.mpi_comm.Bcast(buf, root=root)
+        return buf.tobytes()
+
+    def bcast_json(self, obj, root: int = 0):
+        """Return root's JSON-serialisable object on every rank."""
+        data = json.dumps(obj).encode() if self.rank == root else None
+        return json.loads(self.bcast_bytes(data, root))
+
+    def allgather_json(self, obj) -> list:
+        """Return every rank's JSON-serialisable object, in rank order."""
+        return [json.loads(b) for b in self.allgather_bytes(json.dumps(obj).encode())]
+
+    def allreduce_sum_numbers(self, values: list[float]) -> list[float]:
+        """Sum a short list of float64 numbers over all ranks."""
+        buf = np.asarray(values, dtype=np.float64)
+        self.mpi_comm.Allreduce(self.mpi().IN_PLACE, buf)
+        return buf.tolist()
+
+    @staticmethod
+    def mpi():
+        from mpi4py import MPI
+
+        return MPI

@@ -1,0 +1,39 @@
+"""MPI backend: tensor collectives through mpi4py, staged through host memory for device tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from crossbow_mpi.comm.base import Communicator
+
+
+class MpiCommunicator(Communicator):
+    """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
+
+    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            with _host_view(tensor) as host:
+                self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            with _host_view(tensor) as host:
+                self.mpi_comm.Bcast(host, root=root)
+        return tensor
+
+
+class _host_view:
+    """A NumPy view of a tensor on the host, copied back to the device on exit when needed."""
+
+    def __init__(self, tensor: torch.Tensor):
+        assert tensor.is_contiguous(), "collectives need contiguous tensors"
+        self.tensor = tensor
+        self.host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+
+    def __enter__(self):
+        return self.host.numpy()
+
+    def __exit__(self, *exc):
+        if self.host is not self.tensor:
+            self.tensor.copy_(self.host)

@@ -1,0 +1,163 @@
+"""Training configuration: one dataclass, filled from defaults, an optional TOML file and flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or its inputs; reported as one line, exit code 2."""
+
+
+@dataclass
+class Config:
+    """Everything that defines a run. Same config and seed give the same bits."""
+
+    algorithm: str = "sma"
+    """Training algorithm: `sma` (synchronous model averaging) or `ssgd` (synchronous SGD)."""
+    model: str = "lenet"
+    """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
+    dataset: str = "mnist"
+    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`)."""
+    data_dir: str = "datasets/mnist"
+    """Directory with the dataset files (ignored by synthetic datasets)."""
+    learners: int = 2
+    """Model replicas (learners) per rank, each with its own batches and momentum."""
+    batch_size: int = 16
+    """Samples per learner per iteration."""
+    lr: float = 0.01
+    """Learning rate η; not scaled with the number of learners."""
+    momentum: float = 0.9
+    """Momentum μ of each learner (SMA) or of the central model (S-SGD)."""
+    weight_decay: float = 0.0005
+    """L2 coefficient λ added to every gradient."""
+    alpha: float = 0.1
+    """SMA: fraction α of each learner's difference to the central model moved per sync."""
+    central_momentum: float = 0.9
+    """SMA: momentum μ_z of the central model's updates."""
+    lr_steps: tuple[float, ...] = ()
+    """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
+    lr_gamma: float = 0.1
+    """Factor applied to the learning rate at each of `lr_steps`."""
+    warmup_epochs: float = 0.0
+    """Epochs of linear learning-rate warm-up from lr/10 to lr."""
+    epochs: float = 10.0
+    """Upper bound on training epochs."""
+    target_accuracy: float = 0.99
+    """Stop at the first evaluation of z that reaches this test accuracy (0 or less: never stop early)."""
+    eval_every: int = 15000
+    """Evaluate z every this many training samples (all ranks together); 0: once per epoch."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`; a rank's GPU is chosen by its local rank."""
+    threads: int = 0
+    """Intra-op threads per rank; 0: the node's cores divided among its ranks."""
+    seed: int = 1
+    """Seed of every random generator (combined with the rank where ranks must differ)."""
+    run_dir: str = "runs/default"
+    """Directory for metrics.jsonl, config.json and checkpoints."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many iterations (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep in the run directory."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in `run_dir`."""
+
+    def validate(self, algorithms) -> None:
+        """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names."""
+        from crossbow_mpi.data import dataset_names
+        from crossbow_mpi.models import model_names
+
+        choices = {
+            "algorithm": tuple(algorithms),
+            "device": DEVICES,
+            "model": tuple(model_names()),
+            "dataset": tuple(dataset_names()),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})")
+        positive = ("learners", "batch_size", "epochs", "keep_checkpoints")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        non_negative = ("lr", "momentum", "weight_decay", "alpha", "central_momentum", "lr_gamma",
+                        "warmup_epochs", "eval_every", "threads", "checkpoint_every", "seed")
+        for name in non_negative:
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
+        if not self.momentum < 1 or not self.central_momentum < 1:
+            raise ConfigError("--momentum and --central-momentum must be below 1")
+        if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
+            raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Config":
+        """Build a config from a mapping of field names (dashes or underscores); unknown keys are errors."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"unknown config key {key!r}")
+            kwargs[name] = coerce(known[name], value)
+        return cls(**kwargs)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def coerce(f: dataclasses.Field, value):
+    """Convert a TOML or command-line value to the field's type; ConfigError when it does not fit."""
+    kind = f.type
+    try:
+        if kind == "bool":
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+        if kind.startswith("tuple"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(float(v) for v in items if str(v).strip() != "")
+    except (TypeError, ValueError):
+        raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {kind})") from None
+    raise AssertionError(f"unhandled field type {kind}")
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML config file into a flat mapping."""
+    try:
+        with Path(path).open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {path}: invalid TOML ({err})") from None
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read ({err.strerror})") from None

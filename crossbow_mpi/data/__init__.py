@@ -1,0 +1,12 @@
+from .datasets import (
+    DATASETS,
+    ArrayDataset,
+    DataError,
+    build_dataset,
+    dataset_names,
+    load_cifar10,
+    load_mnist,
+    sha256_file,
+    synthetic_dataset,
+    verify_checksums,
+)

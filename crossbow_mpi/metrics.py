@@ -1,0 +1,59 @@
+"""Run records: metrics.jsonl and config.json on rank 0, and a progress display."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append JSON records to RUN_DIR/metrics.jsonl (rank 0 only; other ranks write nothing)."""
+
+    def __init__(self, run_dir: str, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """A tqdm bar over samples on a terminal, plain lines otherwise; silent on ranks other than 0."""
+
+    def __init__(self, total_samples: int, enabled: bool, initial: int = 0):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_samples, initial=initial, unit="sample", unit_scale=True, dynamic_ncols=True)
+        self.position = initial
+
+    def advance(self, samples: int) -> None:
+        self.position += samples
+        if self.bar is not None:
+            self.bar.update(samples)
+
+    def report(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        line = (f"epoch {record['epoch']:.2f} iter {record['iteration']} "
+                f"test_acc {record['test_accuracy']:.4f} test_loss {record['test_loss']:.4f} "
+                f"train_loss {record['train_loss']:.4f} {record['samples_per_s']:.0f} samples/s "
+                f"k={record['learners']} t={record['time_s']:.1f}s")
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"acc {record['test_accuracy']:.4f}")
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,141 @@
+"""Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32."""
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LeNet(nn.Module):
+    """CROSSBOW's (Caffe's) LeNet: conv5x5(20), maxpool, conv5x5(50), maxpool, fc(500), ReLU, fc.
+
+    As in Caffe, the convolutions have no activation; only the first fully connected layer does.
+    """
+
+    def __init__(self, in_channels: int = 1, input_size: int = 28, num_classes: int = 10):
+        super().__init__()
+        feature_size = ((input_size - 4) // 2 - 4) // 2
+        if feature_size < 1:
+            raise ValueError(f"LeNet needs inputs of at least 16x16, got {input_size}x{input_size}")
+        self.conv1 = nn.Conv2d(in_channels, 20, kernel_size=5)
+        self.conv2 = nn.Conv2d(20, 50, kernel_size=5)
+        self.fc1 = nn.Linear(50 * feature_size * feature_size, 500)
+        self.fc2 = nn.Linear(500, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(self.conv1(x), kernel_size=2, stride=2)
+        x = F.max_pool2d(self.conv2(x), kernel_size=2, stride=2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+class MLP(nn.Module):
+    """Flatten, then fully connected layers with ReLU between them."""
+
+    def __init__(self, input_dim: int, num_classes: int, hidden_dims: Sequence[int] = (256,)):
+        super().__init__()
+        dims = (input_dim, *hidden_dims)
+        layers: list[nn.Module] = [nn.Flatten()]
+        for in_dim, out_dim in zip(dims, dims[1:]):
+            layers += [nn.Linear(in_dim, out_dim), nn.ReLU()]
+        layers.append(nn.Linear(dims[-1], num_classes))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class _ZeroPadShortcut(nn.Module):
+    """Option-A shortcut: subsample by `stride` and append zero channels; no parameters."""
+
+    def __init__(self, stride: int, extra_channels: int):
+        super().__init__()
+        self.stride = stride
+        self.extra_channels = extra_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x[:, :, :: self.stride, :: self.stride], (0, 0, 0, 0, 0, self.extra_channels))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        if stride == 1 and in_channels == out_channels:
+            self.shortcut = nn.Identity()
+        else:
+            self.shortcut = _ZeroPadShortcut(stride, out_channels - in_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """He et al. (2016) CIFAR ResNet of depth 6n+2 with option-A (zero-padding) shortcuts.
+
+    Three stages of `blocks_per_stage` basic blocks at 16/32/64 channels, then global average
+    pooling and one fully connected layer. `blocks_per_stage=5` is ResNet-32 (31 convs + 1 fc).
+    """
+
+    def __init__(self, blocks_per_stage: int = 5, in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks = []
+        channels = 16
+        for stage_channels, stage_stride in ((16, 1), (32, 2), (64, 2)):
+            for block_index in range(blocks_per_stage):
+                stride = stage_stride if block_index == 0 else 1
+                blocks.append(_BasicBlock(channels, stage_channels, stride))
+                channels = stage_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.bn(self.conv(x))))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _check_image_shape(name: str, input_shape: tuple[int, ...], square: bool) -> None:
+    if len(input_shape) != 3 or (square and input_shape[1] != input_shape[2]):
+        kind = "a square (C, H, W)" if square else "a (C, H, W)"
+        raise ValueError(f"model {name!r} needs {kind} input shape, got {input_shape}")
+
+
+def _build_lenet(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    _check_image_shape("lenet", input_shape, square=True)
+    return LeNet(input_shape[0], input_shape[1], num_classes)
+
+
+def _build_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return MLP(math.prod(input_shape), num_classes)
+
+
+def _build_resnet32(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    _check_image_shape("resnet32", input_shape, square=False)
+    return CifarResNet(blocks_per_stage=5, in_channels=input_shape[0], num_classes=num_classes)
+
+
+MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
+    "lenet": _build_lenet,
+    "mlp": _build_mlp,
+    "resnet32": _build_resnet32,
+}
+
+
+def model_names() -> list[str]:
+    return sorted(MODELS)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build model `name` for inputs of `input_shape` (without the batch dimension)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(model_names())}")
+    return MODELS[name](tuple(input_shape), num_classes)

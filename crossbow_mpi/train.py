@@ -1,0 +1,98 @@
+"""Command line: `mpirun -np N python -m crossbow_mpi.train [--flags]`, a thin layer over Trainer."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import sys
+
+from crossbow_mpi import runtime
+from crossbow_mpi.checkpoint import CheckpointError
+from crossbow_mpi.config import Config, ConfigError, coerce, load_toml
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Return each dataclass field's docstring (the string literal that follows it)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
+                and isinstance(following.value, ast.Constant):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m crossbow_mpi.train",
+                     description="Train a model over MPI ranks with several learners per device "
+                                 "(SMA or synchronous SGD).",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser.add_argument("--config", metavar="RUN.toml", help="TOML file with config keys; flags override it.")
+    docs = field_docs(Config)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_const", const=True, help=help_text)
+        else:
+            parser.add_argument(flag, metavar=f.name.upper(), help=help_text)
+    if quiet:
+        parser.print_help = lambda file=None: None
+    return parser
+
+
+def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
+    """Merge defaults, the optional TOML file and flags into a Config."""
+    args = vars(build_parser(quiet).parse_args(argv))
+    values = load_toml(args.pop("config")) if "config" in args else {}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    values.update({name: coerce(fields[name], value) for name, value in args.items()})
+    return Config.from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    runtime.install_abort_on_failure()
+    rank = runtime.mpi().COMM_WORLD.Get_rank()
+    try:
+        config = parse_config(argv, quiet=rank != 0)
+        return run(config, rank)
+    except (ConfigError, CheckpointError) as err:
+        if rank == 0:
+            print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def run(config: Config, rank: int) -> int:
+    from crossbow_mpi.data import build_dataset
+    from crossbow_mpi.models import build_model
+    from crossbow_mpi.trainer import Trainer, agree
+
+    trainer = Trainer(config)
+    train_set, test_set = agree(trainer.comm, lambda: build_dataset(config.dataset, config.data_dir, config.seed))
+
+    def model_fn():
+        return build_model(config.model, train_set.input_shape, train_set.num_classes)
+
+    result = trainer.fit(model_fn, train_set, test_set)
+    if rank == 0:
+        outcome = (f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s"
+                   if result.reached else f"did not reach {config.target_accuracy:.2%}")
+        print(f"{outcome}; test accuracy {result.test_accuracy:.4f} after {result.epochs:.2f} epochs, "
+              f"{result.iterations} iterations, {result.learners} learners/rank; "
+              f"records in {os.path.join(config.run_dir, 'metrics.jsonl')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

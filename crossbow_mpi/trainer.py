@@ -1,0 +1,230 @@
+"""The training harness shared by every algorithm: `Trainer(config).fit(model_fn, train_set, test_set)`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from crossbow_mpi import checkpoint, runtime
+from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.comm import Communicator, build_communicator
+from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
+from crossbow_mpi.engines import SequentialEngine
+from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.metrics import MetricsLog, Progress
+from crossbow_mpi.schedule import learning_rate
+
+EVAL_BATCH = 1000
+
+
+@dataclass
+class FitResult:
+    """What a finished run reached."""
+
+    reached: bool
+    """Whether the target accuracy was reached."""
+    time_to_accuracy_s: float | None
+    """Seconds of training until the target was first reached, None if never."""
+    test_accuracy: float
+    """Accuracy of z at the last evaluation."""
+    iterations: int
+    """Global iterations run."""
+    epochs: float
+    """Epochs run (fractional)."""
+    central: torch.Tensor
+    """A copy of the final central model's state vector z."""
+    learners: int
+    """Learners per rank at the end."""
+
+
+def agree(comm: Communicator, check: Callable[[], object]):
+    """Run a check on every rank; if any rank raised ValueError (a user mistake), raise the first as
+    ConfigError on every rank, so that all ranks stop together."""
+    result, message = None, None
+    try:
+        result = check()
+    except ValueError as err:
+        message = str(err)
+    messages = [m for m in comm.allgather_json(message) if m]
+    if messages:
+        raise ConfigError(messages[0])
+    return result
+
+
+class Trainer:
+    """Train a model with one of the algorithms over all MPI ranks of the job."""
+
+    def __init__(self, config: Config, comm: Communicator | None = None):
+        self.config = config
+        self.comm = comm or build_communicator(runtime.mpi().COMM_WORLD)
+        agree(self.comm, lambda: config.validate(ALGORITHMS))
+        local_rank, local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
+        self.device = agree(self.comm, lambda: runtime.select_device(config.device, local_rank))
+        self.threads = runtime.set_threads(config.threads, local_size)
+
+    def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> FitResult:
+        """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit."""
+        cfg, comm = self.config, self.comm
+        rank0 = comm.rank == 0
+        agree(comm, lambda: _check_datasets(train_set, test_set, cfg, comm.size))
+        agree(comm, lambda: _prepare_run_dir(cfg, rank0))
+
+        torch.manual_seed(cfg.seed)
+        module = model_fn().to(self.device)
+        layout = FlatLayout(module)
+        central = CentralModel(module, layout)
+        comm.broadcast_(central.z)
+        learners = Learners(model_fn, layout, central, cfg.learners)
+        algorithm = ALGORITHMS[cfg.algorithm](cfg, comm, central, learners)
+        engine = SequentialEngine(loss_fn)
+        sampler = GlobalSampler(len(train_set), cfg.seed, comm.rank, comm.size)
+        runtime.seed_everything(cfg.seed, comm.rank)
+
+        state = {"epoch": 0, "offset": 0, "iteration": 0, "samples": 0, "drops": 0, "next_eval": cfg.eval_every,
+                 "elapsed_s": 0.0, "loss_sum": 0.0, "loss_count": 0, "time_to_accuracy_s": None, "last_eval": None}
+        metrics = MetricsLog(cfg.run_dir, rank0)
+        if cfg.resume:
+            state, notes = checkpoint.load(comm, cfg.run_dir, central, learners)
+        else:
+            notes = []
+        total = int(cfg.epochs * len(train_set))
+        progress = Progress(total, rank0, initial=state["samples"])
+        for line in notes:
+            progress.note(line)
+
+        def evaluate() -> dict:
+            accuracy, loss = evaluate_model(central.module, test_set, comm, loss_fn)
+            train_loss = comm.allreduce_sum_numbers([state["loss_sum"], state["loss_count"]])
+            record = {"time_s": elapsed(), "epoch": epoch_progress(), "iteration": state["iteration"],
+                      "samples": state["samples"], "test_accuracy": accuracy, "test_loss": loss,
+                      "train_loss": train_loss[0] / max(train_loss[1], 1), "learners": learners.k,
+                      "samples_per_s": window_samples / max(window_time, 1e-9), "lr": lr}
+            state["loss_sum"], state["loss_count"] = 0.0, 0
+            state["last_eval"] = state["iteration"]
+            if accuracy >= cfg.target_accuracy > 0 and state["time_to_accuracy_s"] is None:
+                state["time_to_accuracy_s"] = record["time_s"]
+            metrics.write(record)
+            progress.report(record)
+            return record
+
+        def epoch_progress() -> float:
+            return state["epoch"] + state["offset"] / len(train_set)
+
+        def elapsed() -> float:
+            return state["elapsed_s"] + time.perf_counter() - started
+
+        def save() -> None:
+            state["elapsed_s"] = elapsed()
+            checkpoint.save(comm, cfg.run_dir, central, learners, state, cfg.to_json(), cfg.keep_checkpoints)
+
+        started = time.perf_counter()
+        window_samples, window_time = 0, 0.0
+        lr, _ = learning_rate(cfg, epoch_progress())
+        record = None
+        while epoch_progress() < cfg.epochs and state["time_to_accuracy_s"] is None:
+            if not sampler.fits(state["offset"], learners.k, cfg.batch_size):
+                state["epoch"], state["offset"] = state["epoch"] + 1, 0
+                continue
+            lr, drops = learning_rate(cfg, epoch_progress())
+            if drops != state["drops"]:
+                algorithm.on_lr_drop()
+                state["drops"] = drops
+            step_started = time.perf_counter()
+            indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
+            batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
+            losses = engine.compute_gradients(learners, batches)
+            algorithm.step(lr)
+            step_samples = sampler.step_size(learners.k, cfg.batch_size)
+            state["offset"] += step_samples
+            state["samples"] += step_samples
+            state["iteration"] += 1
+            state["loss_sum"] += float(losses.sum())
+            state["loss_count"] += learners.k
+            window_samples += step_samples
+            window_time += time.perf_counter() - step_started
+            progress.advance(step_samples)
+            if _eval_due(cfg, state, sampler, learners.k):
+                record = evaluate()
+                window_samples, window_time = 0, 0.0
+                state["next_eval"] += cfg.eval_every
+            if cfg.checkpoint_every and state["iteration"] % cfg.checkpoint_every == 0:
+                save()
+        if state["last_eval"] != state["iteration"] or record is None:
+            record = evaluate()
+        save()
+        progress.close()
+        reached = state["time_to_accuracy_s"] is not None
+        metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state["time_to_accuracy_s"],
+                       "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
+                       "time_s": state["elapsed_s"], "iterations": state["iteration"], "epochs": epoch_progress(),
+                       "samples": state["samples"], "learners": learners.k, "world_size": comm.size,
+                       "algorithm": cfg.algorithm, "threads_per_rank": self.threads, "device": str(self.device)})
+        return FitResult(reached=reached, time_to_accuracy_s=state["time_to_accuracy_s"],
+                         test_accuracy=record["test_accuracy"], iterations=state["iteration"],
+                         epochs=epoch_progress(), central=central.z.detach().cpu().clone(), learners=learners.k)
+
+
+def _eval_due(cfg: Config, state: dict, sampler: GlobalSampler, learners: int) -> bool:
+    if cfg.eval_every:
+        return state["samples"] >= state["next_eval"]
+    return not sampler.fits(state["offset"], learners, cfg.batch_size)
+
+
+def _to_device(batch, device: torch.device, dtype: torch.dtype):
+    inputs, targets = batch
+    if inputs.is_floating_point():
+        inputs = inputs.to(dtype=dtype)
+    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> tuple[float, float]:
+    """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
+    module.eval()
+    device = next(module.parameters()).device
+    dtype = next(module.parameters()).dtype
+    n = len(dataset)
+    start, stop = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
+    correct, loss_sum = 0.0, 0.0
+    for first in range(start, stop, EVAL_BATCH):
+        indices = torch.arange(first, min(first + EVAL_BATCH, stop))
+        inputs, targets = _to_device(fetch_batch(dataset, indices), device, dtype)
+        outputs = module(inputs)
+        loss_sum += float(loss_fn(outputs, targets)) * len(indices)
+        correct += float((outputs.argmax(1) == targets).sum())
+    correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
+    return correct / n, loss_sum / n
+
+
+def _check_datasets(train_set, test_set, cfg: Config, world_size: int) -> None:
+    if len(test_set) == 0:
+        raise ConfigError("the test set is empty")
+    step = cfg.learners * world_size * cfg.batch_size
+    if step > len(train_set):
+        raise ConfigError(f"one global step needs {step} samples (learners × ranks × batch size) "
+                          f"but the training set has {len(train_set)}")
+
+
+def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
+    if not rank0:
+        return
+    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume and checkpoint.list_checkpoints(cfg.run_dir):
+            raise ConfigError(f"--run-dir {cfg.run_dir} holds checkpoints of an earlier run: "
+                              "pass --resume to continue it, or choose another --run-dir")
+        if not cfg.resume:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (run_dir / "config.json").write_text(cfg.to_json() + "\n")
+    except OSError as err:
+        raise ConfigError(f"--run-dir {cfg.run_dir}: {err.strerror or err}") from None

@@ -1,0 +1,76 @@
+"""Checkpoints: the HDF5 layout, and resuming gives the same bits as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from crossbow_mpi import Config, Trainer
+from crossbow_mpi.checkpoint import FORMAT_VERSION, list_checkpoints
+from crossbow_mpi.data import synthetic_dataset
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def config(run_dir, **overrides) -> Config:
+    values = dict(run_dir=str(run_dir), learners=2, batch_size=4, epochs=3, eval_every=200, target_accuracy=0,
+                  checkpoint_every=7, keep_checkpoints=20, seed=11, lr=0.05, lr_steps=(2.0,))
+    values.update(overrides)
+    return Config(**values)
+
+
+def fit(comm, cfg):
+    train = synthetic_dataset((1, 6, 6), 10, 16 * 4 * 2 * comm.size, seed=2)
+    test = synthetic_dataset((1, 6, 6), 10, 50, seed=3)
+    return Trainer(cfg, comm).fit(model, train, test)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algorithm):
+    whole = fit(comm, config(shared_tmp / "whole", algorithm=algorithm))
+    assert whole.iterations == 48
+
+    interrupted_dir = shared_tmp / "interrupted"
+    fit(comm, config(interrupted_dir, algorithm=algorithm))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted_dir)):
+            if path.name > "checkpoint-000000021.h5":
+                path.unlink()
+    comm.barrier()
+    resumed = fit(comm, config(interrupted_dir, algorithm=algorithm, resume=True))
+    assert resumed.iterations == whole.iterations
+    assert torch.equal(resumed.central, whole.central)
+
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(str(shared_tmp / "whole"))[-1]) as a, \
+                h5py.File(list_checkpoints(str(interrupted_dir))[-1]) as b:
+            for name in ("central/z", "central/u", "learners/weights", "learners/momentum"):
+                assert (a[name][...] == b[name][...]).all(), name
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checkpoint_layout(comm, shared_tmp):
+    result = fit(comm, config(shared_tmp, epochs=1, keep_checkpoints=2))
+    if comm.rank != 0:
+        return
+    paths = list_checkpoints(str(shared_tmp))
+    assert [p.name for p in paths] == ["checkpoint-000000014.h5", "checkpoint-000000016.h5"]
+    with h5py.File(paths[-1]) as f:
+        assert f.attrs["format_version"] == FORMAT_VERSION and f.attrs["complete"]
+        assert f.attrs["world_size"] == comm.size and f.attrs["learners"] == 2
+        assert json.loads(f.attrs["config"])["seed"] == 11
+        assert json.loads(f.attrs["state"])["iteration"] == 16
+        num_state = result.central.numel()
+        assert f["central/z"].shape == (num_state,)
+        assert (f["central/z"][...] == result.central.numpy()).all()
+        assert f["learners/weights"].shape == (comm.size, 2, num_state)
+        assert f["learners/momentum"].shape[:2] == (comm.size, 2)
+        assert sorted(f["rng"]) == [f"rank_{r}" for r in range(comm.size)]
+    assert not list(shared_tmp.glob("*.tmp"))
