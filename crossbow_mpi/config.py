@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("auto", "sequential", "threads")
 
 
 class ConfigError(ValueError):
@@ -27,10 +28,22 @@ class Config:
     """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`)."""
     data_dir: str = "datasets/mnist"
     """Directory with the dataset files (ignored by synthetic datasets)."""
-    learners: int = 2
-    """Model replicas (learners) per rank, each with its own batches and momentum."""
+    learners: int | str = 2
+    """Model replicas (learners) per rank, each with its own batches and momentum; `auto`: tune by throughput."""
     batch_size: int = 16
     """Samples per learner per iteration."""
+    engine: str = "auto"
+    """How a rank's learners share its device: `sequential`, `threads` (concurrently), `auto`."""
+    autotune_threshold: float = 0.1
+    """With `--learners auto`: relative throughput gain that justifies one more learner per rank."""
+    autotune_interval: int = 50
+    """With `--learners auto`: iterations per throughput measurement."""
+    max_learners: int = 8
+    """With `--learners auto`: most learners per rank."""
+    max_memory: float = 0.0
+    """With `--learners auto` on CPU: memory cap in GiB per node (0: 80 % of RAM); on GPU free memory is the cap."""
+    autotune_on_lr_drop: bool = False
+    """With `--learners auto`: tune again, from one learner, after every learning-rate drop."""
     lr: float = 0.01
     """Learning rate η; not scaled with the number of learners."""
     momentum: float = 0.9
@@ -76,18 +89,22 @@ class Config:
         choices = {
             "algorithm": tuple(algorithms),
             "device": DEVICES,
+            "engine": ENGINES,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})")
-        positive = ("learners", "batch_size", "epochs", "keep_checkpoints")
+        if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
+            raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
+        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ("lr", "momentum", "weight_decay", "alpha", "central_momentum", "lr_gamma",
-                        "warmup_epochs", "eval_every", "threads", "checkpoint_every", "seed")
+                        "warmup_epochs", "eval_every", "threads", "checkpoint_every", "seed",
+                        "autotune_threshold", "max_memory")
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
@@ -130,7 +147,9 @@ def coerce(f: dataclasses.Field, value):
                     raise ValueError(value)
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
-        if kind == "int":
+        if kind == "int | str" and value == "auto":
+            return value
+        if kind in ("int", "int | str"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
             if isinstance(value, bool):

@@ -3,10 +3,14 @@
 An engine fills `learners.grads[j]` with the gradient of learner j's loss on its own batch and returns the
 losses. Algorithms only see the filled matrices, so engines (sequential, threads, CUDA streams) can be
 swapped without touching them.
+
+Every engine gives each learner the same number of intra-op threads, the rank's threads divided by k, so
+that results (which depend on how kernels split their reductions) do not depend on the engine.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -22,15 +26,27 @@ class LearnerEngine:
 
     name = "base"
 
-    def __init__(self, loss_fn: LossFn):
+    def __init__(self, loss_fn: LossFn, threads: int):
         self.loss_fn = loss_fn
+        self.threads = threads
+
+    def learner_threads(self, k: int) -> int:
+        return max(1, self.threads // k)
 
     def compute_gradients(self, learners: Learners, batches: list[Batch]) -> torch.Tensor:
         """Fill learners.grads and return the k losses."""
+        assert len(batches) == learners.k
+        try:
+            return torch.stack(self.run_learners(learners, batches))
+        finally:
+            torch.set_num_threads(self.threads)
+
+    def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def learner_step(self, learners: Learners, j: int, batch: Batch) -> torch.Tensor:
         """Run learner j's forward and backward pass on its batch; return its loss."""
+        torch.set_num_threads(self.learner_threads(learners.k))
         module = learners.modules[j]
         module.train()
         learners.grads[j].zero_()
@@ -45,10 +61,40 @@ class LearnerEngine:
 
 
 class SequentialEngine(LearnerEngine):
-    """Run the learners one after another on the rank's threads."""
+    """Run the learners one after another."""
 
     name = "sequential"
 
-    def compute_gradients(self, learners: Learners, batches: list[Batch]) -> torch.Tensor:
-        assert len(batches) == learners.k
-        return torch.stack([self.learner_step(learners, j, batch) for j, batch in enumerate(batches)])
+    def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
+        return [self.learner_step(learners, j, batch) for j, batch in enumerate(batches)]
+
+
+class ThreadEngine(LearnerEngine):
+    """Run the k learners at the same time, one thread each (torch releases the GIL inside its kernels)."""
+
+    name = "threads"
+
+    def __init__(self, loss_fn: LossFn, threads: int):
+        super().__init__(loss_fn, threads)
+        self.pool: ThreadPoolExecutor | None = None
+        self.workers = 0
+
+    def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
+        if self.workers < learners.k:
+            self.close()
+            self.pool = ThreadPoolExecutor(max_workers=learners.k, thread_name_prefix="learner")
+            self.workers = learners.k
+        futures = [self.pool.submit(self.learner_step, learners, j, batch) for j, batch in enumerate(batches)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool, self.workers = None, 0
+
+
+def build_engine(name: str, loss_fn: LossFn, threads: int, device: torch.device) -> LearnerEngine:
+    """Return the named engine; `auto` runs learners concurrently when the rank has several CPU threads."""
+    if name == "auto":
+        name = "threads" if device.type == "cpu" and threads > 1 else "sequential"
+    return {"sequential": SequentialEngine, "threads": ThreadEngine}[name](loss_fn, threads)

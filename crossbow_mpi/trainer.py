@@ -16,11 +16,12 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, build_communicator
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
-from crossbow_mpi.engines import SequentialEngine
+from crossbow_mpi.engines import build_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.metrics import MetricsLog, Progress
 from crossbow_mpi.schedule import learning_rate
+from crossbow_mpi.tuner import AutoTuner, Policy
 
 EVAL_BATCH = 1000
 
@@ -66,16 +67,18 @@ class Trainer:
         self.config = config
         self.comm = comm or build_communicator(runtime.mpi().COMM_WORLD)
         agree(self.comm, lambda: config.validate(ALGORITHMS))
-        local_rank, local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
+        local_rank, self.local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
         self.device = agree(self.comm, lambda: runtime.select_device(config.device, local_rank))
-        self.threads = runtime.set_threads(config.threads, local_size)
+        self.threads = runtime.set_threads(config.threads, self.local_size)
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit."""
         cfg, comm = self.config, self.comm
         rank0 = comm.rank == 0
-        agree(comm, lambda: _check_datasets(train_set, test_set, cfg, comm.size))
+        autotune = cfg.learners == "auto"
+        initial_learners = 1 if autotune else cfg.learners
+        agree(comm, lambda: _check_datasets(train_set, test_set, cfg, initial_learners, comm.size))
         agree(comm, lambda: _prepare_run_dir(cfg, rank0))
 
         torch.manual_seed(cfg.seed)
@@ -83,10 +86,16 @@ class Trainer:
         layout = FlatLayout(module)
         central = CentralModel(module, layout)
         comm.broadcast_(central.z)
-        learners = Learners(model_fn, layout, central, cfg.learners)
+        learners = Learners(model_fn, layout, central, initial_learners)
         algorithm = ALGORITHMS[cfg.algorithm](cfg, comm, central, learners)
-        engine = SequentialEngine(loss_fn)
+        engine = build_engine(cfg.engine, loss_fn, self.threads, self.device)
         sampler = GlobalSampler(len(train_set), cfg.seed, comm.rank, comm.size)
+        tuner = None
+        if autotune:
+            max_learners = min(cfg.max_learners, len(train_set) // (comm.size * cfg.batch_size))
+            bytes_per_learner = (layout.num_state + 2 * layout.num_params) * central.z.element_size()
+            tuner = AutoTuner(Policy(cfg.autotune_threshold, max_learners), cfg.autotune_interval, comm,
+                              self.device, cfg.max_memory, self.local_size, bytes_per_learner)
         runtime.seed_everything(cfg.seed, comm.rank)
 
         state = {"epoch": 0, "offset": 0, "iteration": 0, "samples": 0, "drops": 0, "next_eval": cfg.eval_every,
@@ -94,6 +103,8 @@ class Trainer:
         metrics = MetricsLog(cfg.run_dir, rank0)
         if cfg.resume:
             state, notes = checkpoint.load(comm, cfg.run_dir, central, learners)
+            if tuner is not None and "autotune" in state:
+                tuner.load_state(state["autotune"])
         else:
             notes = []
         total = int(cfg.epochs * len(train_set))
@@ -124,6 +135,8 @@ class Trainer:
 
         def save() -> None:
             state["elapsed_s"] = elapsed()
+            if tuner is not None:
+                state["autotune"] = tuner.state()
             checkpoint.save(comm, cfg.run_dir, central, learners, state, cfg.to_json(), cfg.keep_checkpoints)
 
         started = time.perf_counter()
@@ -138,6 +151,9 @@ class Trainer:
             if drops != state["drops"]:
                 algorithm.on_lr_drop()
                 state["drops"] = drops
+                if tuner is not None and cfg.autotune_on_lr_drop:
+                    tuner.restart()
+                    learners.resize(1, central.z)
             step_started = time.perf_counter()
             indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
             batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
@@ -149,9 +165,16 @@ class Trainer:
             state["iteration"] += 1
             state["loss_sum"] += float(losses.sum())
             state["loss_count"] += learners.k
+            step_time = time.perf_counter() - step_started
             window_samples += step_samples
-            window_time += time.perf_counter() - step_started
+            window_time += step_time
             progress.advance(step_samples)
+            decision = tuner.observe(step_samples // comm.size, step_time, learners.k) if tuner else None
+            if decision is not None:
+                learners.resize(decision["learners"], central.z)
+                metrics.write({**decision, "iteration": state["iteration"], "time_s": elapsed()})
+                progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
+                              f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})")
             if _eval_due(cfg, state, sampler, learners.k):
                 record = evaluate()
                 window_samples, window_time = 0, 0.0
@@ -162,6 +185,7 @@ class Trainer:
             record = evaluate()
         save()
         progress.close()
+        engine.close()
         reached = state["time_to_accuracy_s"] is not None
         metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state["time_to_accuracy_s"],
                        "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
@@ -205,10 +229,10 @@ def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> t
     return correct / n, loss_sum / n
 
 
-def _check_datasets(train_set, test_set, cfg: Config, world_size: int) -> None:
+def _check_datasets(train_set, test_set, cfg: Config, learners: int, world_size: int) -> None:
     if len(test_set) == 0:
         raise ConfigError("the test set is empty")
-    step = cfg.learners * world_size * cfg.batch_size
+    step = learners * world_size * cfg.batch_size
     if step > len(train_set):
         raise ConfigError(f"one global step needs {step} samples (learners × ranks × batch size) "
                           f"but the training set has {len(train_set)}")

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.sampler import GlobalSampler
+from reference import relative_error, sma_reference
 
 STEPS = 20
 BATCH = 4
@@ -37,10 +38,6 @@ def run_config(tmp, **overrides) -> Config:
     return Config(**values)
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("learners", [1, 3])
 def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tmp, learners):
@@ -62,65 +59,13 @@ def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tm
     assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-5
 
 
-def float_buffers(module: nn.Module) -> list[torch.Tensor]:
-    return [b for b in module.buffers() if b.is_floating_point()]
-
-
-def state_of(module: nn.Module) -> torch.Tensor:
-    return torch.cat([parameters_to_vector(module.parameters()), parameters_to_vector(float_buffers(module))])
-
-
-def load_state(module: nn.Module, state: torch.Tensor, num_params: int) -> None:
-    vector_to_parameters(state[:num_params].clone(), module.parameters())
-    vector_to_parameters(state[num_params:].clone(), float_buffers(module))
-
-
-def sma_reference(cfg: Config, train, world_size: int) -> torch.Tensor:
-    """CROSSBOW's SMA equations, learner by learner, in float64, in one process."""
-    torch.manual_seed(cfg.seed)
-    z = state_of(mlp_bn_float64()).detach()
-    n = sum(p.numel() for p in mlp_bn_float64().parameters())
-    u = torch.zeros(n, dtype=torch.float64)
-    count = world_size * cfg.learners
-    states = [z.clone() for _ in range(count)]
-    velocity = [torch.zeros(n, dtype=torch.float64) for _ in range(count)]
-    module = mlp_bn_float64()
-    order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
-    drops = 0
-    for step in range(STEPS):
-        lr_drops = sum(step / STEPS >= s for s in cfg.lr_steps)
-        if lr_drops != drops:
-            drops = lr_drops
-            states = [z.clone() for _ in range(count)]
-        lr = cfg.lr * cfg.lr_gamma ** drops
-        corrections = []
-        for i in range(count):
-            load_state(module, states[i], n)
-            module.train()
-            module.zero_grad()
-            first = step * count * cfg.batch_size + i * cfg.batch_size
-            inputs, targets = train.get_batch(order[first:first + cfg.batch_size])
-            F.cross_entropy(module(inputs.double()), targets).backward()
-            after_forward = state_of(module).detach()
-            w = after_forward[:n]
-            g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
-            velocity[i] = cfg.momentum * velocity[i] - lr * g
-            c = cfg.alpha * (w - z[:n])
-            corrections.append(c)
-            states[i] = torch.cat([w + velocity[i] - c, after_forward[n:]])
-        dz = torch.stack(corrections).sum(0) + cfg.central_momentum * u
-        u = dz
-        z = torch.cat([z[:n] + dz, torch.stack([s[n:] for s in states]).mean(0)])
-    return z
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("learners", [1, 3])
 def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, learners):
     train, test = datasets(comm.size, learners)
     cfg = run_config(shared_tmp, algorithm="sma", learners=learners, lr_steps=(0.5,), lr_gamma=0.5)
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
-    reference = sma_reference(cfg, train, comm.size)
+    reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, [learners] * STEPS)
     assert result.central.dtype == torch.float64
     assert relative_error(result.central, reference) < 1e-6
     num_params = sum(p.numel() for p in mlp_bn_float64().parameters())

@@ -41,7 +41,7 @@ def test_flags_override_toml_which_overrides_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--learners", "0"], "--learners must be positive"),
+    (["--learners", "0"], "--learners must be a positive"),
     (["--learners", "two"], "--learners: invalid value"),
     (["--batch-size", "-4"], "--batch-size must be positive"),
     (["--lr-steps", "5,2"], "--lr-steps must be increasing"),
@@ -77,7 +77,7 @@ def corrupt_mnist(tmp_path):
 BAD_RUNS = {
     "missing data directory": (lambda tmp: ["--data-dir", str(tmp / "nowhere")], "nowhere"),
     "checksum mismatch": (lambda tmp: ["--data-dir", str(corrupt_mnist(tmp))], "t10k-labels-idx1-ubyte"),
-    "zero learners": (lambda tmp: ["--learners", "0"], "--learners must be positive"),
+    "zero learners": (lambda tmp: ["--learners", "0"], "--learners must be a positive"),
     "negative batch size": (lambda tmp: ["--batch-size", "-3"], "--batch-size must be positive"),
     "unknown algorithm": (lambda tmp: ["--algorithm", "adam"], "--algorithm: unknown value 'adam'"),
     "unknown model": (lambda tmp: ["--model", "vgg"], "--model: unknown value 'vgg'"),

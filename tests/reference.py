@@ -1,0 +1,78 @@
+"""An independent single-process implementation of CROSSBOW's SMA equations, learner by learner."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from crossbow_mpi import Config
+from crossbow_mpi.data.sampler import GlobalSampler
+
+
+def float_buffers(module: nn.Module) -> list[torch.Tensor]:
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+def state_of(module: nn.Module) -> torch.Tensor:
+    return torch.cat([parameters_to_vector(module.parameters()), parameters_to_vector(float_buffers(module))])
+
+
+def load_state(module: nn.Module, state: torch.Tensor, num_params: int) -> None:
+    vector_to_parameters(state[:num_params].clone(), module.parameters())
+    vector_to_parameters(state[num_params:].clone(), float_buffers(module))
+
+
+def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_step: list[int]) -> torch.Tensor:
+    """Return z after len(learners_per_step) iterations of SMA, all in one epoch.
+
+    Learner j of rank r keeps its state while it exists; a learner added later starts as z with zero
+    momentum; the data of a step is cut rank-major, then learner by learner, from the epoch's permutation.
+    """
+    torch.manual_seed(cfg.seed)
+    module = model_fn()
+    z = state_of(module).detach()
+    n = sum(p.numel() for p in module.parameters())
+    u = torch.zeros_like(z[:n])
+    states: dict[tuple[int, int], torch.Tensor] = {}
+    velocity: dict[tuple[int, int], torch.Tensor] = {}
+    order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
+    steps, offset, drops = len(learners_per_step), 0, 0
+    for step, k in enumerate(learners_per_step):
+        for key in [key for key in states if key[1] >= k]:
+            del states[key], velocity[key]
+        for r in range(world_size):
+            for j in range(k):
+                if (r, j) not in states:
+                    states[(r, j)], velocity[(r, j)] = z.clone(), torch.zeros_like(u)
+        lr_drops = sum(offset / len(train) >= s for s in cfg.lr_steps)
+        if lr_drops != drops:
+            drops = lr_drops
+            states = {key: z.clone() for key in states}
+        lr = cfg.lr * cfg.lr_gamma ** drops
+        corrections = []
+        for (r, j) in sorted(states):
+            module.train()
+            load_state(module, states[(r, j)], n)
+            module.zero_grad()
+            first = offset + (r * k + j) * cfg.batch_size
+            inputs, targets = train.get_batch(order[first:first + cfg.batch_size])
+            F.cross_entropy(module(inputs.to(z.dtype)), targets).backward()
+            after_forward = state_of(module).detach()
+            w = after_forward[:n]
+            g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
+            velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - lr * g
+            c = cfg.alpha * (w - z[:n])
+            corrections.append(c)
+            states[(r, j)] = torch.cat([w + velocity[(r, j)] - c, after_forward[n:]])
+        dz = torch.stack(corrections).sum(0) + cfg.central_momentum * u
+        u = dz
+        z = torch.cat([z[:n] + dz, torch.stack([s[n:] for s in states.values()]).mean(0)])
+        offset += k * world_size * cfg.batch_size
+    assert steps == len(learners_per_step)
+    return z
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
