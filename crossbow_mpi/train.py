@@ -13,6 +13,10 @@ from crossbow_mpi import runtime
 from crossbow_mpi.checkpoint import CheckpointError
 from crossbow_mpi.config import Config, ConfigError, coerce, load_toml
 
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
@@ -62,15 +66,18 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crossbow_mpi.trainer import DivergenceError
+
     runtime.install_abort_on_failure()
+    runtime.install_stop_signals()
     rank = runtime.mpi().COMM_WORLD.Get_rank()
     try:
         config = parse_config(argv, quiet=rank != 0)
         return run(config, rank)
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, DivergenceError) as err:
         if rank == 0:
             print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR
 
 
 def run(config: Config, rank: int) -> int:
@@ -85,6 +92,11 @@ def run(config: Config, rank: int) -> int:
         return build_model(config.model, train_set.input_shape, train_set.num_classes)
 
     result = trainer.fit(model_fn, train_set, test_set)
+    if result.preempted:
+        if rank == 0:
+            print(f"stopped by a signal after {result.iterations} iterations; checkpoint written to "
+                  f"{config.run_dir}; continue with --resume", flush=True)
+        return EXIT_PREEMPTED
     if rank == 0:
         outcome = (f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s"
                    if result.reached else f"did not reach {config.target_accuracy:.2%}")

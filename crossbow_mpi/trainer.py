@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,12 @@ class FitResult:
     """A copy of the final central model's state vector z."""
     learners: int
     """Learners per rank at the end."""
+    preempted: bool = False
+    """Whether the run stopped early on a stop signal, after writing a checkpoint to resume from."""
+
+
+class DivergenceError(RuntimeError):
+    """The loss or the central model became NaN or infinite."""
 
 
 def agree(comm: Communicator, check: Callable[[], object]):
@@ -67,6 +75,10 @@ class Trainer:
         self.config = config
         self.comm = comm or build_communicator(runtime.mpi().COMM_WORLD)
         agree(self.comm, lambda: config.validate(ALGORITHMS))
+        configs = self.comm.allgather_json(dataclasses.asdict(config))
+        differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
+        if differing:
+            raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
         local_rank, self.local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
         self.device = agree(self.comm, lambda: runtime.select_device(config.device, local_rank))
         self.threads = runtime.set_threads(config.threads, self.local_size)
@@ -142,7 +154,7 @@ class Trainer:
         started = time.perf_counter()
         window_samples, window_time = 0, 0.0
         lr, _ = learning_rate(cfg, epoch_progress())
-        record = None
+        record, stop = None, 0.0
         while epoch_progress() < cfg.epochs and state["time_to_accuracy_s"] is None:
             if not sampler.fits(state["offset"], learners.k, cfg.batch_size):
                 state["epoch"], state["offset"] = state["epoch"] + 1, 0
@@ -159,6 +171,9 @@ class Trainer:
             batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
             losses = engine.compute_gradients(learners, batches)
             algorithm.step(lr)
+            stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
+            if not bool(torch.isfinite(central.z).all()):
+                raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
             step_samples = sampler.step_size(learners.k, cfg.batch_size)
             state["offset"] += step_samples
             state["samples"] += step_samples
@@ -179,13 +194,21 @@ class Trainer:
                 record = evaluate()
                 window_samples, window_time = 0, 0.0
                 state["next_eval"] += cfg.eval_every
-            if cfg.checkpoint_every and state["iteration"] % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and state["iteration"] % cfg.checkpoint_every == 0 or stop:
                 save()
+            if stop:
+                break
+        progress.close()
+        engine.close()
+        if stop:
+            metrics.write({"event": "preempted", "iteration": state["iteration"], "time_s": state["elapsed_s"]})
+            progress.note(f"stopped by a signal at iteration {state['iteration']}; resume with --resume")
+            return FitResult(reached=False, time_to_accuracy_s=None, test_accuracy=float("nan"),
+                             iterations=state["iteration"], epochs=epoch_progress(),
+                             central=central.z.detach().cpu().clone(), learners=learners.k, preempted=True)
         if state["last_eval"] != state["iteration"] or record is None:
             record = evaluate()
         save()
-        progress.close()
-        engine.close()
         reached = state["time_to_accuracy_s"] is not None
         metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state["time_to_accuracy_s"],
                        "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
@@ -195,6 +218,14 @@ class Trainer:
         return FitResult(reached=reached, time_to_accuracy_s=state["time_to_accuracy_s"],
                          test_accuracy=record["test_accuracy"], iterations=state["iteration"],
                          epochs=epoch_progress(), central=central.z.detach().cpu().clone(), learners=learners.k)
+
+
+def _divergence_report(comm: Communicator, losses: torch.Tensor, iteration: int) -> str:
+    """Name the learners whose loss was not finite at this iteration (collective)."""
+    bad = comm.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
+    culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
+    where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
+    return f"training diverged at iteration {iteration}: {where}; the last good checkpoint is kept"
 
 
 def _eval_due(cfg: Config, state: dict, sampler: GlobalSampler, learners: int) -> bool:

@@ -15,6 +15,7 @@ import torch
 from crossbow_mpi.comm import Communicator
 
 RAM_FRACTION = 0.8
+WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class AutoTuner:
     """Measure throughput over windows of steps and change the number of learners per rank."""
 
     def __init__(self, policy: Policy, interval: int, comm: Communicator, device: torch.device,
-                 max_memory_gib: float, local_size: int, static_bytes_per_learner: float, warmup: int = 2):
+                 max_memory_gib: float, local_size: int, static_bytes_per_learner: float,
+                 warmup: int = WARMUP_STEPS):
         self.policy = policy
         self.interval = interval
         self.comm = comm

@@ -1,0 +1,67 @@
+"""Preemption and divergence through the command line: a distinct exit code, a checkpoint, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+
+from conftest import REPO, mpirun_command, run_job
+
+RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.3", "--eval-every", "1000",
+       "--target-accuracy", "0", "--learners", "2"]
+
+
+def final_z(run_dir):
+    newest = sorted(run_dir.glob("checkpoint-*.h5"))[-1]
+    with h5py.File(newest) as f:
+        return f["central/z"][...], json.loads(f.attrs["state"])["iteration"]
+
+
+def test_stop_signal_checkpoints_exits_75_and_resume_is_bit_identical(tmp_path):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    stopped = tmp_path / "stopped"
+    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(stopped), *RUN]
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (stopped / "metrics.jsonl").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 75, err
+    assert "continue with --resume" in out
+    records = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["event"] == "preempted"
+    _, stopped_at = final_z(stopped)
+
+    resumed = run_job(2, ["--run-dir", str(stopped), "--resume", *RUN], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run_job(2, ["--run-dir", str(tmp_path / "whole"), *RUN], timeout=180)
+    assert whole.returncode == 0, whole.stderr
+    z_resumed, iterations = final_z(stopped)
+    z_whole, whole_iterations = final_z(tmp_path / "whole")
+    assert 0 < stopped_at < iterations == whole_iterations
+    assert np.array_equal(z_resumed, z_whole)
+
+
+def test_divergence_names_iteration_and_learners_and_keeps_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "diverged"
+    job = run_job(2, ["--run-dir", str(run_dir), "--lr", "1e6", "--checkpoint-every", "2", *RUN], timeout=120)
+    assert job.returncode == 3, job.stderr
+    ours = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")]
+    assert len(ours) == 1 and "diverged at iteration" in ours[0] and "learner" in ours[0], job.stderr
+    assert "Traceback" not in job.stderr
+    z, iteration = final_z(run_dir)
+    diverged_at = int(ours[0].split("iteration ")[1].split(":")[0])
+    assert iteration < diverged_at and np.isfinite(z).all()

@@ -1,0 +1,82 @@
+"""Faults inside the harness at any number of ranks: corrupt checkpoints, full disks, inconsistent configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+
+import pytest
+import torch
+from torch import nn
+
+from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi import checkpoint
+from crossbow_mpi.checkpoint import CheckpointError, list_checkpoints
+from crossbow_mpi.data import synthetic_dataset
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def config(run_dir, **overrides) -> Config:
+    values = dict(run_dir=str(run_dir), learners=2, batch_size=4, epochs=2, eval_every=0, target_accuracy=0,
+                  checkpoint_every=5, keep_checkpoints=3, seed=5, lr=0.05)
+    values.update(overrides)
+    return Config(**values)
+
+
+def fit(comm, cfg):
+    train = synthetic_dataset((1, 6, 6), 10, 12 * 4 * 2 * comm.size, seed=2)
+    test = synthetic_dataset((1, 6, 6), 10, 20, seed=3)
+    return Trainer(cfg, comm).fit(model, train, test)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, capsys):
+    whole = fit(comm, config(shared_tmp / "whole"))
+    run_dir = shared_tmp / "damaged"
+    fit(comm, config(run_dir))
+    if comm.rank == 0:
+        paths = list_checkpoints(str(run_dir))
+        assert [p.name for p in paths] == ["checkpoint-000000015.h5", "checkpoint-000000020.h5",
+                                           "checkpoint-000000024.h5"]
+        paths[-1].unlink()
+        data = paths[-2].read_bytes()
+        paths[-2].write_bytes(data[:len(data) // 2])
+        (run_dir / "checkpoint-000000022.h5.tmp").write_bytes(b"half written")
+    comm.barrier()
+    resumed = fit(comm, config(run_dir, resume=True))
+    assert torch.equal(resumed.central, whole.central)
+    if comm.rank == 0:
+        err = capsys.readouterr().err
+        assert "skipped checkpoint-000000020.h5: unreadable" in err and "resumed from checkpoint-000000015.h5" in err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_of_another_model_is_refused(comm, shared_tmp):
+    fit(comm, config(shared_tmp, epochs=1))
+    train = synthetic_dataset((1, 6, 6), 10, 96 * comm.size, seed=2)
+    other = lambda: nn.Sequential(nn.Flatten(), nn.Linear(36, 10))  # noqa: E731
+    with pytest.raises(ConfigError, match="holds a different model"):
+        Trainer(config(shared_tmp, resume=True), comm).fit(other, train, train)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_full_disk_stops_every_rank_with_one_line(comm, shared_tmp, monkeypatch):
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write", no_space)
+    with pytest.raises(CheckpointError, match="No space left on device") as caught:
+        fit(comm, config(shared_tmp))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_configs_refuse_to_start(comm, shared_tmp):
+    cfg = config(shared_tmp)
+    if comm.rank == 1:
+        cfg = dataclasses.replace(cfg, lr=0.5, seed=6)
+    with pytest.raises(ConfigError, match="configurations differ in: lr, seed"):
+        Trainer(cfg, comm)
