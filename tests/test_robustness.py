@@ -13,23 +13,12 @@ from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi import checkpoint
 from crossbow_mpi.checkpoint import CheckpointError, list_checkpoints
 from crossbow_mpi.data import synthetic_dataset
-
-
-def model() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 10))
+from test_resume import config as resume_config
+from test_resume import fit
 
 
 def config(run_dir, **overrides) -> Config:
-    values = dict(run_dir=str(run_dir), learners=2, batch_size=4, epochs=2, eval_every=0, target_accuracy=0,
-                  checkpoint_every=5, keep_checkpoints=3, seed=5, lr=0.05)
-    values.update(overrides)
-    return Config(**values)
-
-
-def fit(comm, cfg):
-    train = synthetic_dataset((1, 6, 6), 10, 12 * 4 * 2 * comm.size, seed=2)
-    test = synthetic_dataset((1, 6, 6), 10, 20, seed=3)
-    return Trainer(cfg, comm).fit(model, train, test)
+    return resume_config(run_dir, **{"epochs": 2, "checkpoint_every": 5, "keep_checkpoints": 3, **overrides})
 
 
 @pytest.mark.mpi(min_size=1)
@@ -39,18 +28,18 @@ def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, caps
     fit(comm, config(run_dir))
     if comm.rank == 0:
         paths = list_checkpoints(str(run_dir))
-        assert [p.name for p in paths] == ["checkpoint-000000015.h5", "checkpoint-000000020.h5",
-                                           "checkpoint-000000024.h5"]
+        assert [p.name for p in paths] == ["checkpoint-000000025.h5", "checkpoint-000000030.h5",
+                                           "checkpoint-000000032.h5"]
         paths[-1].unlink()
         data = paths[-2].read_bytes()
         paths[-2].write_bytes(data[:len(data) // 2])
-        (run_dir / "checkpoint-000000022.h5.tmp").write_bytes(b"half written")
+        (run_dir / "checkpoint-000000031.h5.tmp").write_bytes(b"half written")
     comm.barrier()
     resumed = fit(comm, config(run_dir, resume=True))
     assert torch.equal(resumed.central, whole.central)
     if comm.rank == 0:
         err = capsys.readouterr().err
-        assert "skipped checkpoint-000000020.h5: unreadable" in err and "resumed from checkpoint-000000015.h5" in err
+        assert "skipped checkpoint-000000030.h5: unreadable" in err and "resumed from checkpoint-000000025.h5" in err
 
 
 @pytest.mark.mpi(min_size=1)
