@@ -66,6 +66,8 @@ class Config:
     """Stop at the first evaluation of z that reaches this test accuracy (0 or less: never stop early)."""
     eval_every: int = 15000
     """Evaluate z every this many training samples (all ranks together); 0: once per epoch."""
+    inject_imbalance: str = ""
+    """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu` or `cuda`; a rank's GPU is chosen by its local rank."""
     threads: int = 0
@@ -84,6 +86,7 @@ class Config:
     def validate(self, algorithms) -> None:
         """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names."""
         from crossbow_mpi.data import dataset_names
+        from crossbow_mpi.imbalance import parse_imbalance
         from crossbow_mpi.models import model_names
 
         choices = {
@@ -114,6 +117,7 @@ class Config:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not self.momentum < 1 or not self.central_momentum < 1:
             raise ConfigError("--momentum and --central-momentum must be below 1")
+        parse_imbalance(self.inject_imbalance, self.seed)
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
 

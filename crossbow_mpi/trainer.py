@@ -20,6 +20,7 @@ from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.engines import build_engine
 from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.metrics import MetricsLog, Progress
 from crossbow_mpi.schedule import learning_rate
@@ -82,6 +83,7 @@ class Trainer:
         local_rank, self.local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
         self.device = agree(self.comm, lambda: runtime.select_device(config.device, local_rank))
         self.threads = runtime.set_threads(config.threads, self.local_size)
+        self.imbalance = agree(self.comm, lambda: parse_imbalance(config.inject_imbalance, config.seed, self.comm.size))
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> FitResult:
@@ -146,6 +148,7 @@ class Trainer:
             return state["elapsed_s"] + time.perf_counter() - started
 
         def save() -> None:
+            algorithm.drain()
             state["elapsed_s"] = elapsed()
             if tuner is not None:
                 state["autotune"] = tuner.state()
@@ -170,6 +173,9 @@ class Trainer:
             indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
             batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
             losses = engine.compute_gradients(learners, batches)
+            if self.imbalance is not None:
+                time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
+                                                time.perf_counter() - step_started))
             algorithm.step(lr)
             stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
             if not bool(torch.isfinite(central.z).all()):
@@ -198,6 +204,7 @@ class Trainer:
                 save()
             if stop:
                 break
+        algorithm.drain()
         progress.close()
         engine.close()
         if stop:

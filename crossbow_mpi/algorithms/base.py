@@ -27,6 +27,9 @@ class Algorithm:
     def on_lr_drop(self) -> None:
         """React to a learning-rate drop."""
 
+    def drain(self) -> None:
+        """Finish outstanding communication, so that every rank holds the same, complete state."""
+
     def allreduce_with_buffers(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Allreduce [local_sum | mean of the learners' float buffers] as one message.
 
