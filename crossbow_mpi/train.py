@@ -45,7 +45,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         if f.type == "bool":
             parser.add_argument(flag, action="store_const", const=True, help=help_text)
         else:
