@@ -68,6 +68,9 @@ class Config:
     """Evaluate z every this many training samples (all ranks together); 0: once per epoch."""
     inject_imbalance: str = ""
     """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
+    collective_timeout: float = 300.0
+    """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
+    seconds because a rank stopped taking part (0: never)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu` or `cuda`; a rank's GPU is chosen by its local rank."""
     threads: int = 0
@@ -107,7 +110,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = ("lr", "momentum", "weight_decay", "alpha", "central_momentum", "lr_gamma",
                         "warmup_epochs", "eval_every", "threads", "checkpoint_every", "seed",
-                        "autotune_threshold", "max_memory")
+                        "autotune_threshold", "max_memory", "collective_timeout")
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")

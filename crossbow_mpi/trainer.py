@@ -25,6 +25,7 @@ from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.metrics import MetricsLog, Progress
 from crossbow_mpi.schedule import learning_rate
 from crossbow_mpi.tuner import AutoTuner, Policy
+from crossbow_mpi.watchdog import Watchdog
 
 EVAL_BATCH = 1000
 
@@ -154,77 +155,84 @@ class Trainer:
                 state["autotune"] = tuner.state()
             checkpoint.save(comm, cfg.run_dir, central, learners, state, cfg.to_json(), cfg.keep_checkpoints)
 
-        started = time.perf_counter()
-        window_samples, window_time = 0, 0.0
-        lr, _ = learning_rate(cfg, epoch_progress())
-        record, stop = None, 0.0
-        while epoch_progress() < cfg.epochs and state["time_to_accuracy_s"] is None:
-            if not sampler.fits(state["offset"], learners.k, cfg.batch_size):
-                state["epoch"], state["offset"] = state["epoch"] + 1, 0
-                continue
-            lr, drops = learning_rate(cfg, epoch_progress())
-            if drops != state["drops"]:
-                algorithm.on_lr_drop()
-                state["drops"] = drops
-                if tuner is not None and cfg.autotune_on_lr_drop:
-                    tuner.restart()
-                    learners.resize(1, central.z)
-            step_started = time.perf_counter()
-            indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
-            batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
-            losses = engine.compute_gradients(learners, batches)
-            if self.imbalance is not None:
-                time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
-                                                time.perf_counter() - step_started))
-            algorithm.step(lr)
-            stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
-            if not bool(torch.isfinite(central.z).all()):
-                raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
-            step_samples = sampler.step_size(learners.k, cfg.batch_size)
-            state["offset"] += step_samples
-            state["samples"] += step_samples
-            state["iteration"] += 1
-            state["loss_sum"] += float(losses.sum())
-            state["loss_count"] += learners.k
-            step_time = time.perf_counter() - step_started
-            window_samples += step_samples
-            window_time += step_time
-            progress.advance(step_samples)
-            decision = tuner.observe(step_samples // comm.size, step_time, learners.k) if tuner else None
-            if decision is not None:
-                learners.resize(decision["learners"], central.z)
-                metrics.write({**decision, "iteration": state["iteration"], "time_s": elapsed()})
-                progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
-                              f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})")
-            if _eval_due(cfg, state, sampler, learners.k):
-                record = evaluate()
-                window_samples, window_time = 0, 0.0
-                state["next_eval"] += cfg.eval_every
-            if cfg.checkpoint_every and state["iteration"] % cfg.checkpoint_every == 0 or stop:
-                save()
+        watchdog = Watchdog(comm.mpi_comm, cfg.collective_timeout) if cfg.collective_timeout else None
+        try:
+            started = time.perf_counter()
+            window_samples, window_time = 0, 0.0
+            lr, _ = learning_rate(cfg, epoch_progress())
+            record, stop = None, 0.0
+            while epoch_progress() < cfg.epochs and state["time_to_accuracy_s"] is None:
+                if not sampler.fits(state["offset"], learners.k, cfg.batch_size):
+                    state["epoch"], state["offset"] = state["epoch"] + 1, 0
+                    continue
+                lr, drops = learning_rate(cfg, epoch_progress())
+                if drops != state["drops"]:
+                    algorithm.on_lr_drop()
+                    state["drops"] = drops
+                    if tuner is not None and cfg.autotune_on_lr_drop:
+                        tuner.restart()
+                        learners.resize(1, central.z)
+                step_started = time.perf_counter()
+                indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
+                batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
+                losses = engine.compute_gradients(learners, batches)
+                if self.imbalance is not None:
+                    time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
+                                                    time.perf_counter() - step_started))
+                algorithm.step(lr)
+                stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
+                if not bool(torch.isfinite(central.z).all()):
+                    raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
+                step_samples = sampler.step_size(learners.k, cfg.batch_size)
+                state["offset"] += step_samples
+                state["samples"] += step_samples
+                state["iteration"] += 1
+                state["loss_sum"] += float(losses.sum())
+                state["loss_count"] += learners.k
+                step_time = time.perf_counter() - step_started
+                window_samples += step_samples
+                window_time += step_time
+                progress.advance(step_samples)
+                if watchdog is not None:
+                    watchdog.progress(state["iteration"])
+                decision = tuner.observe(step_samples // comm.size, step_time, learners.k) if tuner else None
+                if decision is not None:
+                    learners.resize(decision["learners"], central.z)
+                    metrics.write({**decision, "iteration": state["iteration"], "time_s": elapsed()})
+                    progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
+                                  f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})")
+                if _eval_due(cfg, state, sampler, learners.k):
+                    record = evaluate()
+                    window_samples, window_time = 0, 0.0
+                    state["next_eval"] += cfg.eval_every
+                if cfg.checkpoint_every and state["iteration"] % cfg.checkpoint_every == 0 or stop:
+                    save()
+                if stop:
+                    break
+            algorithm.drain()
+            progress.close()
+            engine.close()
             if stop:
-                break
-        algorithm.drain()
-        progress.close()
-        engine.close()
-        if stop:
-            metrics.write({"event": "preempted", "iteration": state["iteration"], "time_s": state["elapsed_s"]})
-            progress.note(f"stopped by a signal at iteration {state['iteration']}; resume with --resume")
-            return FitResult(reached=False, time_to_accuracy_s=None, test_accuracy=float("nan"),
-                             iterations=state["iteration"], epochs=epoch_progress(),
-                             central=central.z.detach().cpu().clone(), learners=learners.k, preempted=True)
-        if state["last_eval"] != state["iteration"] or record is None:
-            record = evaluate()
-        save()
-        reached = state["time_to_accuracy_s"] is not None
-        metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state["time_to_accuracy_s"],
-                       "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
-                       "time_s": state["elapsed_s"], "iterations": state["iteration"], "epochs": epoch_progress(),
-                       "samples": state["samples"], "learners": learners.k, "world_size": comm.size,
-                       "algorithm": cfg.algorithm, "threads_per_rank": self.threads, "device": str(self.device)})
-        return FitResult(reached=reached, time_to_accuracy_s=state["time_to_accuracy_s"],
-                         test_accuracy=record["test_accuracy"], iterations=state["iteration"],
-                         epochs=epoch_progress(), central=central.z.detach().cpu().clone(), learners=learners.k)
+                metrics.write({"event": "preempted", "iteration": state["iteration"], "time_s": state["elapsed_s"]})
+                progress.note(f"stopped by a signal at iteration {state['iteration']}; resume with --resume")
+                return FitResult(reached=False, time_to_accuracy_s=None, test_accuracy=float("nan"),
+                                 iterations=state["iteration"], epochs=epoch_progress(),
+                                 central=central.z.detach().cpu().clone(), learners=learners.k, preempted=True)
+            if state["last_eval"] != state["iteration"] or record is None:
+                record = evaluate()
+            save()
+            reached = state["time_to_accuracy_s"] is not None
+            metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state["time_to_accuracy_s"],
+                           "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
+                           "time_s": state["elapsed_s"], "iterations": state["iteration"], "epochs": epoch_progress(),
+                           "samples": state["samples"], "learners": learners.k, "world_size": comm.size,
+                           "algorithm": cfg.algorithm, "threads_per_rank": self.threads, "device": str(self.device)})
+            return FitResult(reached=reached, time_to_accuracy_s=state["time_to_accuracy_s"],
+                             test_accuracy=record["test_accuracy"], iterations=state["iteration"],
+                             epochs=epoch_progress(), central=central.z.detach().cpu().clone(), learners=learners.k)
+        finally:
+            if watchdog is not None:
+                watchdog.close()
 
 
 def _divergence_report(comm: Communicator, losses: torch.Tensor, iteration: int) -> str:

@@ -65,3 +65,50 @@ def test_divergence_names_iteration_and_learners_and_keeps_last_good_checkpoint(
     z, iteration = final_z(run_dir)
     diverged_at = int(ours[0].split("iteration ")[1].split(":")[0])
     assert iteration < diverged_at and np.isfinite(z).all()
+
+
+def rank_pids(run_dir) -> dict[int, int]:
+    """Map each rank of the job writing to run_dir to its process id."""
+    pids = subprocess.run(["pgrep", "-f", f"crossbow_mpi.train --run-dir {run_dir}"],
+                          capture_output=True, text=True).stdout.split()
+    ranks = {}
+    for pid in map(int, pids):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"OMPI_COMM_WORLD_RANK="):
+                ranks[int(entry.split(b"=")[1])] = pid
+    return ranks
+
+
+def test_a_stopped_rank_is_named_and_the_job_aborts(tmp_path):
+    run_dir = tmp_path / "hung"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir),
+                               "--collective-timeout", "4", *RUN, "--epochs", "5"]
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "metrics.jsonl").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.2)
+        victim = rank_pids(run_dir)[1]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = job.communicate(timeout=40)
+        assert job.returncode != 0
+        assert time.monotonic() - stopped < 4 + 20
+        assert "collective timeout: rank(s) 1 did not arrive within 4 s" in err, err
+    finally:
+        if victim is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(victim, sig)
+                except ProcessLookupError:
+                    pass
+        if job.poll() is None:
+            job.kill()
+            job.wait()

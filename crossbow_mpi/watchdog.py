@@ -1,0 +1,95 @@
+"""Hang watchdog: abort the job, naming the missing ranks, when a rank stops taking part.
+
+A background thread on a duplicated communicator exchanges heartbeats (rank, iteration) between rank 0 and
+every other rank once a second. When this rank's training loop has made no progress for `timeout` seconds,
+the peers it has not heard from for that long, or that sat behind it at one iteration for that long, are
+named and the job is aborted. A live rank keeps sending heartbeats while it computes or writes, so only a
+rank that stopped (SIGSTOP, a hung node, a deadlock) is ever blamed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+
+HEARTBEAT_TAG = 0x0CB0
+INTERVAL_S = 1.0
+
+
+class Watchdog:
+    """Watch this rank's progress and its peers' heartbeats; abort the job on a hang."""
+
+    def __init__(self, mpi_comm, timeout: float):
+        self.comm = mpi_comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout = timeout
+        self.iteration = 0
+        self.progressed_at = time.monotonic()
+        peers = range(1, self.size) if self.rank == 0 else [0]
+        now = time.monotonic()
+        self.heard = {peer: (now, -1, now) for peer in peers}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self.thread.start()
+
+    def progress(self, iteration: int) -> None:
+        """Record that this rank's training loop reached an iteration."""
+        self.iteration = iteration
+        self.progressed_at = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the thread (call on every rank at the same point, after the last collective)."""
+        self.stopping.set()
+        self.thread.join()
+        self.comm.Free()
+
+    def _run(self) -> None:
+        incoming = np.zeros(2, dtype=np.int64)
+        request = self.comm.Irecv(incoming, source=self._mpi().ANY_SOURCE, tag=HEARTBEAT_TAG)
+        sends = []
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                beat = np.array([self.rank, self.iteration], dtype=np.int64)
+                sends = [r for r in sends if not r.Test()]
+                sends += [self.comm.Isend(beat, dest=peer, tag=HEARTBEAT_TAG) for peer in self.heard]
+                next_beat = now + INTERVAL_S
+            while request.Test():
+                peer, iteration = int(incoming[0]), int(incoming[1])
+                _, previous, since = self.heard[peer]
+                self.heard[peer] = (now, iteration, since if iteration == previous else now)
+                request = self.comm.Irecv(incoming, source=self._mpi().ANY_SOURCE, tag=HEARTBEAT_TAG)
+            missing = self.missing(now)
+            if missing:
+                self._abort(missing)
+            time.sleep(0.05)
+        request.Cancel()
+        request.Wait()
+        self._mpi().Request.Waitall(sends)
+
+    def missing(self, now: float) -> list[int]:
+        """Return the peers to blame when this rank has made no progress for `timeout` seconds."""
+        if now - self.progressed_at <= self.timeout:
+            return []
+        return sorted(peer for peer, (last_heard, iteration, since) in self.heard.items()
+                      if now - last_heard > self.timeout
+                      or (iteration < self.iteration and now - since > self.timeout))
+
+    def _abort(self, missing: list[int]) -> None:
+        names = ", ".join(map(str, missing))
+        sys.stderr.write(f"crossbow_mpi: error: collective timeout: rank(s) {names} did not arrive within "
+                         f"{self.timeout:g} s (rank {self.rank} waiting after iteration {self.iteration}); "
+                         "aborting the job\n")
+        sys.stderr.flush()
+        self._mpi().COMM_WORLD.Abort(4)
+
+    @staticmethod
+    def _mpi():
+        from mpi4py import MPI
+
+        return MPI
