@@ -11,6 +11,7 @@ import time
 
 import h5py
 import numpy as np
+import pytest
 
 from conftest import REPO, mpirun_command, run_job
 
@@ -24,16 +25,60 @@ def final_z(run_dir):
         return f["central/z"][...], json.loads(f.attrs["state"])["iteration"]
 
 
-def test_stop_signal_checkpoints_exits_75_and_resume_is_bit_identical(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final model and iteration count of an uninterrupted run of RUN."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    whole = run_job(2, ["--run-dir", str(run_dir), *RUN], timeout=180)
+    assert whole.returncode == 0, whole.stderr
+    return final_z(run_dir)
+
+
+def start_job(run_dir, *extra):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    stopped = tmp_path / "stopped"
-    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(stopped), *RUN]
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir), *RUN, *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(job, path):
+    deadline = time.monotonic() + 90
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.1)
+
+
+def resume_matches(run_dir, uninterrupted):
+    resumed = run_job(2, ["--run-dir", str(run_dir), "--resume", *RUN], timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    z_resumed, iterations = final_z(run_dir)
+    z_whole, whole_iterations = uninterrupted
+    assert iterations == whole_iterations
+    assert np.array_equal(z_resumed, z_whole)
+
+
+def test_killed_rank_ends_the_job_and_resume_is_bit_identical(tmp_path, uninterrupted):
+    run_dir = tmp_path / "killed"
+    job = start_job(run_dir, "--checkpoint-every", "20")
     try:
-        deadline = time.monotonic() + 90
-        while not (stopped / "metrics.jsonl").exists():
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.2)
+        wait_for(job, run_dir / "checkpoint-000000020.h5")
+        os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
+        killed = time.monotonic()
+        job.communicate(timeout=30)
+        assert job.returncode != 0
+        assert time.monotonic() - killed < 30
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert final_z(run_dir)[1] < uninterrupted[1]
+    resume_matches(run_dir, uninterrupted)
+
+
+def test_stop_signal_checkpoints_exits_75_and_resume_is_bit_identical(tmp_path, uninterrupted):
+    stopped = tmp_path / "stopped"
+    job = start_job(stopped)
+    try:
+        wait_for(job, stopped / "metrics.jsonl")
         job.send_signal(signal.SIGUSR1)
         out, err = job.communicate(timeout=60)
     finally:
@@ -43,16 +88,8 @@ def test_stop_signal_checkpoints_exits_75_and_resume_is_bit_identical(tmp_path):
     assert "continue with --resume" in out
     records = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["event"] == "preempted"
-    _, stopped_at = final_z(stopped)
-
-    resumed = run_job(2, ["--run-dir", str(stopped), "--resume", *RUN], timeout=180)
-    assert resumed.returncode == 0, resumed.stderr
-    whole = run_job(2, ["--run-dir", str(tmp_path / "whole"), *RUN], timeout=180)
-    assert whole.returncode == 0, whole.stderr
-    z_resumed, iterations = final_z(stopped)
-    z_whole, whole_iterations = final_z(tmp_path / "whole")
-    assert 0 < stopped_at < iterations == whole_iterations
-    assert np.array_equal(z_resumed, z_whole)
+    assert 0 < final_z(stopped)[1] < uninterrupted[1]
+    resume_matches(stopped, uninterrupted)
 
 
 def test_divergence_names_iteration_and_learners_and_keeps_last_good_checkpoint(tmp_path):
@@ -85,16 +122,10 @@ def rank_pids(run_dir) -> dict[int, int]:
 
 def test_a_stopped_rank_is_named_and_the_job_aborts(tmp_path):
     run_dir = tmp_path / "hung"
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir),
-                               "--collective-timeout", "4", *RUN, "--epochs", "5"]
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_job(run_dir, "--collective-timeout", "4", "--epochs", "5")
     victim = None
     try:
-        deadline = time.monotonic() + 90
-        while not (run_dir / "metrics.jsonl").exists():
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.2)
+        wait_for(job, run_dir / "metrics.jsonl")
         victim = rank_pids(run_dir)[1]
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
