@@ -40,14 +40,16 @@ def worker(settings: dict) -> dict:
     from mpi4py import MPI
 
     from crossbow_mpi import Config, Trainer
+    from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.models import build_model
     from crossbow_mpi.tuner import WARMUP_STEPS
 
-    world = MPI.COMM_WORLD.Get_size()
+    comm = MpiCommunicator(MPI.COMM_WORLD)
+    world = comm.size
     model, batch, engine = settings["model"], settings["batch"], settings["engine"]
     shape = (1, 28, 28) if model == "lenet" else (3, 32, 32)
     steps = settings["warmup"] + settings["steps"]
-    run_root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="bench-learners-") if MPI.COMM_WORLD.rank == 0 else None)
+    run_root = comm.bcast_json(tempfile.mkdtemp(prefix="bench-learners-") if comm.rank == 0 else None)
 
     def run(learners, **overrides) -> list[dict]:
         step_samples = (1 if learners == "auto" else learners) * world * batch
@@ -57,10 +59,8 @@ def worker(settings: dict) -> dict:
         cfg = Config(model=model, learners=learners, batch_size=batch, engine=engine, run_dir=str(run_dir),
                      epochs=1, target_accuracy=0, eval_every=settings["warmup"] * step_samples, seed=1, **overrides)
         Trainer(cfg).fit(lambda: build_model(model, shape, 10), train, test)
-        records = MPI.COMM_WORLD.bcast(
-            [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            if MPI.COMM_WORLD.rank == 0 else None)
-        return records
+        return comm.bcast_json([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                               if comm.rank == 0 else None)
 
     throughput = {}
     for k in settings["learners"]:

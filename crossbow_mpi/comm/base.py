@@ -13,7 +13,7 @@ class Communicator(ABC):
     """Collectives over the ranks of one job.
 
     Tensor collectives (`allreduce_sum_`, `broadcast_`) are what a backend implements; control
-    messages (JSON, bytes) always travel over the MPI communicator, never through pickle.
+    messages (JSON, bytes) always travel over the MPI communicator as byte buffers, never as Python objects.
     """
 
     def __init__(self, mpi_comm):
@@ -34,7 +34,8 @@ class Communicator(ABC):
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Return every rank's bytes, in rank order, on every rank."""
-        sizes = np.array(self.mpi_comm.allgather(len(data)), dtype=np.int64)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self.mpi_comm.Allgather(np.array([len(data)], dtype=np.int64), sizes)
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.mpi_comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes])
         offsets = np.concatenate([[0], np.cumsum(sizes)])
