@@ -57,7 +57,8 @@ def worker(settings: dict) -> dict:
         train, test = datasets(model, samples, seed=1)
         run_dir = Path(run_root) / f"k{learners}"
         cfg = Config(model=model, learners=learners, batch_size=batch, engine=engine, run_dir=str(run_dir),
-                     epochs=1, target_accuracy=0, eval_every=settings["warmup"] * step_samples, seed=1, **overrides)
+                     epochs=1, target_accuracy=0, eval_every=settings["warmup"] * step_samples, seed=1,
+                     device=settings.get("device", "cpu"), algorithm=settings.get("algorithm", "sma"), **overrides)
         Trainer(cfg).fit(lambda: build_model(model, shape, 10), train, test)
         return comm.bcast_json([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                                if comm.rank == 0 else None)
@@ -71,7 +72,8 @@ def worker(settings: dict) -> dict:
     budget = (WARMUP_STEPS + interval) * sum(range(1, max_learners + 2)) * world * batch
     records = run("auto", max_learners=max_learners, autotune_interval=interval, samples=budget)
     decisions = [r for r in records if r.get("event") == "autotune"]
-    return {"throughput": throughput, "auto_learners": records[-1]["learners"], "decisions": decisions}
+    return {"throughput": throughput, "auto_learners": records[-1]["learners"], "decisions": decisions,
+            "auto_samples_per_s": max((d["samples_per_s"] or 0) for d in decisions) if decisions else None}
 
 
 def measure(options: harness.Options) -> harness.Report:

@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
-ENGINES = ("auto", "sequential", "threads")
+ENGINES = ("auto", "sequential", "threads", "streams")
+COMMS = ("auto", "mpi", "nccl")
+PRECISIONS = ("fp32", "bf16")
+EAGER_MODES = ("solo", "majority")
 
 
 class ConfigError(ValueError):
@@ -33,7 +36,8 @@ class Config:
     batch_size: int = 16
     """Samples per learner per iteration."""
     engine: str = "auto"
-    """How a rank's learners share its device: `sequential`, `threads` (concurrently), `auto`."""
+    """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
+    (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""
     autotune_threshold: float = 0.1
     """With `--learners auto`: relative throughput gain that justifies one more learner per rank."""
     autotune_interval: int = 50
@@ -54,6 +58,10 @@ class Config:
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
     """SMA: momentum μ_z of the central model's updates."""
+    eager_mode: str = "solo"
+    """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
+    eager_sync_every: int = 32
+    """eager-SGD: run a fully synchronous round at least every this many rounds (bounds staleness)."""
     lr_steps: tuple[float, ...] = ()
     """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
     lr_gamma: float = 0.1
@@ -73,6 +81,11 @@ class Config:
     seconds because a rank stopped taking part (0: never)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu` or `cuda`; a rank's GPU is chosen by its local rank."""
+    comm: str = "auto"
+    """Transport of the allreduce: `nccl` (CuPy, one GPU per rank), `mpi` (mpi4py, host staging for GPUs), or
+    `auto` (NCCL when every rank has its own GPU and CuPy is present, else MPI)."""
+    precision: str = "fp32"
+    """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
     threads: int = 0
     """Intra-op threads per rank; 0: the node's cores divided among its ranks."""
     seed: int = 1
@@ -96,15 +109,21 @@ class Config:
             "algorithm": tuple(algorithms),
             "device": DEVICES,
             "engine": ENGINES,
+            "comm": COMMS,
+            "precision": PRECISIONS,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
+            "eager_mode": EAGER_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})")
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
-        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners")
+        if self.algorithm == "eager" and self.learners == "auto":
+            raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
+        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners",
+                    "eager_sync_every")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")

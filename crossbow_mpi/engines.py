@@ -4,8 +4,8 @@ An engine fills `learners.grads[j]` with the gradient of learner j's loss on its
 losses. Algorithms only see the filled matrices, so engines (sequential, threads, CUDA streams) can be
 swapped without touching them.
 
-Every engine gives each learner the same number of intra-op threads, the rank's threads divided by k, so
-that results (which depend on how kernels split their reductions) do not depend on the engine.
+On a CPU every engine gives each learner the same number of intra-op threads, the rank's threads divided
+by k, so that results (which depend on how kernels split their reductions) do not depend on the engine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.learners import Learners
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -26,9 +27,10 @@ class LearnerEngine:
 
     name = "base"
 
-    def __init__(self, loss_fn: LossFn, threads: int):
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
         self.loss_fn = loss_fn
         self.threads = threads
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
 
     def learner_threads(self, k: int) -> int:
         return max(1, self.threads // k)
@@ -51,7 +53,8 @@ class LearnerEngine:
         module.train()
         learners.grads[j].zero_()
         inputs, targets = batch
-        loss = self.loss_fn(module(inputs), targets)
+        with torch.autocast(inputs.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            loss = self.loss_fn(module(inputs), targets)
         loss.backward()
         assert learners.layout.grads_are_bound(module, learners.grads[j]), "autograd replaced a flat gradient view"
         return loss.detach()
@@ -74,8 +77,8 @@ class ThreadEngine(LearnerEngine):
 
     name = "threads"
 
-    def __init__(self, loss_fn: LossFn, threads: int):
-        super().__init__(loss_fn, threads)
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
+        super().__init__(loss_fn, threads, precision)
         self.pool: ThreadPoolExecutor | None = None
         self.workers = 0
 
@@ -93,8 +96,47 @@ class ThreadEngine(LearnerEngine):
             self.pool, self.workers = None, 0
 
 
-def build_engine(name: str, loss_fn: LossFn, threads: int, device: torch.device) -> LearnerEngine:
-    """Return the named engine; `auto` runs learners concurrently when the rank has several CPU threads."""
+class StreamEngine(LearnerEngine):
+    """Run each learner on its own CUDA stream, so that the learners' kernels overlap on the GPU.
+
+    Each stream first waits for the work already queued on the current stream (the last sync, the batch
+    copies); the current stream then waits for every learner before the algorithm's update.
+    """
+
+    name = "streams"
+
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
+        super().__init__(loss_fn, threads, precision)
+        self.streams: list[torch.cuda.Stream] = []
+
+    def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
+        current = torch.cuda.current_stream()
+        while len(self.streams) < learners.k:
+            self.streams.append(torch.cuda.Stream())
+        losses = []
+        for j, (stream, batch) in enumerate(zip(self.streams, batches)):
+            stream.wait_stream(current)
+            for tensor in batch:
+                tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                losses.append(self.learner_step(learners, j, batch))
+        for stream in self.streams[:learners.k]:
+            current.wait_stream(stream)
+        return losses
+
+
+ENGINES = {engine.name: engine for engine in (SequentialEngine, ThreadEngine, StreamEngine)}
+
+
+def check_engine(name: str, device: torch.device) -> None:
+    """Refuse an engine that cannot run on the device."""
+    if name == "streams" and device.type != "cuda":
+        raise ConfigError("--engine streams needs CUDA devices (--device cuda)")
+
+
+def build_engine(name: str, loss_fn: LossFn, threads: int, device: torch.device,
+                 precision: str = "fp32") -> LearnerEngine:
+    """Return the named engine; `auto`: CUDA streams on a GPU, threads on a CPU rank with several threads."""
     if name == "auto":
-        name = "threads" if device.type == "cpu" and threads > 1 else "sequential"
-    return {"sequential": SequentialEngine, "threads": ThreadEngine}[name](loss_fn, threads)
+        name = "streams" if device.type == "cuda" else "threads" if threads > 1 else "sequential"
+    return ENGINES[name](loss_fn, threads, precision)

@@ -98,8 +98,9 @@ def run(config: Config, rank: int) -> int:
                   f"{config.run_dir}; continue with --resume", flush=True)
         return EXIT_PREEMPTED
     if rank == 0:
-        outcome = (f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s"
-                   if result.reached else f"did not reach {config.target_accuracy:.2%}")
+        outcome = (f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s" if result.reached
+                   else f"did not reach {config.target_accuracy:.2%}" if config.target_accuracy > 0
+                   else "trained to the epoch limit")
         print(f"{outcome}; test accuracy {result.test_accuracy:.4f} after {result.epochs:.2f} epochs, "
               f"{result.iterations} iterations, {result.learners} learners/rank; "
               f"records in {os.path.join(config.run_dir, 'metrics.jsonl')}", flush=True)

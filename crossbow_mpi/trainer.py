@@ -15,10 +15,10 @@ from torch import nn
 
 from crossbow_mpi import checkpoint, runtime
 from crossbow_mpi.algorithms import ALGORITHMS
-from crossbow_mpi.comm import Communicator, build_communicator
+from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
-from crossbow_mpi.engines import build_engine
+from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.learners import CentralModel, Learners
@@ -75,16 +75,18 @@ class Trainer:
 
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
-        self.comm = comm or build_communicator(runtime.mpi().COMM_WORLD)
-        agree(self.comm, lambda: config.validate(ALGORITHMS))
-        configs = self.comm.allgather_json(dataclasses.asdict(config))
+        control = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
+        agree(control, lambda: config.validate(ALGORITHMS))
+        configs = control.allgather_json(dataclasses.asdict(config))
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
-        local_rank, self.local_size = runtime.local_rank_and_size(self.comm.mpi_comm)
-        self.device = agree(self.comm, lambda: runtime.select_device(config.device, local_rank))
+        local_rank, self.local_size = runtime.local_rank_and_size(control.mpi_comm)
+        self.device = agree(control, lambda: runtime.select_device(config.device, local_rank))
+        agree(control, lambda: check_engine(config.engine, self.device))
         self.threads = runtime.set_threads(config.threads, self.local_size)
-        self.imbalance = agree(self.comm, lambda: parse_imbalance(config.inject_imbalance, config.seed, self.comm.size))
+        self.imbalance = agree(control, lambda: parse_imbalance(config.inject_imbalance, config.seed, control.size))
+        self.comm = comm or agree(control, lambda: build_communicator(control.mpi_comm, config.comm, self.device))
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> FitResult:
@@ -103,7 +105,7 @@ class Trainer:
         comm.broadcast_(central.z)
         learners = Learners(model_fn, layout, central, initial_learners)
         algorithm = ALGORITHMS[cfg.algorithm](cfg, comm, central, learners)
-        engine = build_engine(cfg.engine, loss_fn, self.threads, self.device)
+        engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
         sampler = GlobalSampler(len(train_set), cfg.seed, comm.rank, comm.size)
         tuner = None
         if autotune:
@@ -134,6 +136,7 @@ class Trainer:
                       "samples": state["samples"], "test_accuracy": accuracy, "test_loss": loss,
                       "train_loss": train_loss[0] / max(train_loss[1], 1), "learners": learners.k,
                       "samples_per_s": window_samples / max(window_time, 1e-9), "lr": lr}
+            record.update(algorithm.statistics())
             state["loss_sum"], state["loss_count"] = 0.0, 0
             state["last_eval"] = state["iteration"]
             if accuracy >= cfg.target_accuracy > 0 and state["time_to_accuracy_s"] is None:
@@ -250,9 +253,12 @@ def _eval_due(cfg: Config, state: dict, sampler: GlobalSampler, learners: int) -
 
 
 def _to_device(batch, device: torch.device, dtype: torch.dtype):
+    """Move a batch to the device: from pinned host memory, without blocking, on a GPU."""
     inputs, targets = batch
     if inputs.is_floating_point():
         inputs = inputs.to(dtype=dtype)
+    if device.type == "cuda":
+        inputs, targets = inputs.pin_memory(), targets.pin_memory()
     return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 

@@ -33,6 +33,16 @@ def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp):
     assert torch.equal(results["sequential"].central, results["threads"].central)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_bf16_autocast_trains_while_z_stays_float32(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 64 * 8 * comm.size, seed=0)
+    cfg = Config(run_dir=str(shared_tmp / "bf16"), precision="bf16", learners=2, batch_size=8, epochs=3,
+                 eval_every=0, target_accuracy=0, seed=4, lr=0.05)
+    result = Trainer(cfg, comm).fit(convnet, train, train)
+    assert result.central.dtype == torch.float32 and torch.isfinite(result.central).all()
+    assert result.test_accuracy > 0.3
+
+
 @pytest.mark.mpi(min_size=2)
 def test_auto_learners_change_consistently_and_sma_equations_hold(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 2 * comm.size * 160, seed=0)

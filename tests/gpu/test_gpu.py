@@ -1,0 +1,104 @@
+"""GPU path: NCCL through CuPy, the CUDA-stream engine, bf16, the tuner's GPU memory cap.
+
+Skipped without a CUDA device (and, for NCCL, without CuPy). Run under mpirun like the other MPI tests;
+launch/gpu_selftest.sh runs them on one GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
+from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.tuner import AutoTuner, Policy
+from reference import relative_error, sma_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+needs_nccl = pytest.mark.skipif(nccl_module() is None, reason="no CuPy with NCCL")
+STEPS, BATCH = 20, 4
+
+
+def mlp_bn_float64() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10)).double()
+
+
+def convnet() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(128, 10))
+
+
+def one_gpu_per_rank(comm) -> bool:
+    return torch.cuda.device_count() >= comm.size
+
+
+@needs_nccl
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nccl_allreduce_and_broadcast(comm, dtype):
+    if not one_gpu_per_rank(comm):
+        pytest.skip("fewer GPUs than ranks")
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    nccl = NcclCommunicator(comm.mpi_comm, device)
+    tensor = torch.arange(4096, device=device).to(dtype) % 8 + comm.rank
+    expected = (torch.arange(4096, device=device) % 8 * comm.size + sum(range(comm.size))).to(dtype)
+    nccl.allreduce_sum_(tensor)
+    torch.cuda.synchronize()
+    assert torch.equal(tensor, expected)
+    mine = torch.full((100,), float(comm.rank), device=device, dtype=dtype)
+    nccl.broadcast_(mine, root=comm.size - 1)
+    torch.cuda.synchronize()
+    assert torch.equal(mine, torch.full_like(mine, comm.size - 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error(comm, shared_tmp):
+    if one_gpu_per_rank(comm) or nccl_module() is None:
+        pytest.skip("needs more ranks than GPUs, and CuPy")
+    with pytest.raises(ConfigError, match="share GPUs"):
+        Trainer(Config(device="cuda", comm="nccl", run_dir=str(shared_tmp)), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("learners", [1, 3])
+def test_sma_on_gpu_with_streams_matches_the_float64_reference(comm, shared_tmp, learners):
+    train = synthetic_dataset((1, 6, 6), 10, STEPS * comm.size * learners * BATCH, seed=0)
+    cfg = Config(run_dir=str(shared_tmp / "gpu"), device="cuda", engine="streams", learners=learners,
+                 batch_size=BATCH, epochs=1, eval_every=0, target_accuracy=0, seed=7, lr=0.05,
+                 weight_decay=0.001, lr_steps=(0.5,), lr_gamma=0.5)
+    result = Trainer(cfg, comm).fit(mlp_bn_float64, train, train)
+    reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, [learners] * STEPS)
+    assert relative_error(result.central, reference) < 1e-6
+
+
+@pytest.mark.mpi(min_size=1)
+def test_stream_engine_agrees_with_sequential_on_gpu(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 256 * comm.size, seed=0)
+    results = {}
+    for engine in ("sequential", "streams"):
+        cfg = Config(run_dir=str(shared_tmp / engine), device="cuda", engine=engine, learners=4, batch_size=8,
+                     epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05)
+        results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
+    assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bf16_on_gpu_keeps_z_float32(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 512 * comm.size, seed=0)
+    cfg = Config(run_dir=str(shared_tmp / "bf16"), device="cuda", precision="bf16", learners=2, batch_size=16,
+                 epochs=3, eval_every=0, target_accuracy=0, seed=4, lr=0.05)
+    result = Trainer(cfg, comm).fit(convnet, train, train)
+    assert result.central.dtype == torch.float32 and torch.isfinite(result.central).all()
+    assert result.test_accuracy > 0.3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_tuner_caps_learners_by_free_gpu_memory(comm):
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    tuner = AutoTuner(Policy(0.1, 8), 5, comm, device, max_memory_gib=0, local_size=1, static_bytes_per_learner=1e6)
+    memory = tuner.read_memory()
+    free, total = torch.cuda.mem_get_info(device)
+    assert memory.cap == total and abs((memory.cap - memory.used) - free) < 256 * 2**20
+    huge = AutoTuner(Policy(0.1, 8), 5, comm, device, 0, 1, static_bytes_per_learner=float(total))
+    assert not huge.read_memory().room_for_one_more
