@@ -68,6 +68,7 @@ class Learners:
         del self.modules[k:]
         for j, module in enumerate(self.modules):
             self.layout.bind(module, self.weights[j], self.grads[j])
+        self.checked: set[int] = set()  # learners whose gradients were seen to land in their rows of `grads`
 
     def reset_to(self, z: torch.Tensor) -> None:
         """Set every learner's weights to z."""

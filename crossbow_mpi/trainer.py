@@ -184,7 +184,7 @@ class Trainer:
                                                     time.perf_counter() - step_started))
                 algorithm.step(lr)
                 stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
-                if not bool(torch.isfinite(central.z).all()):
+                if not math.isfinite(float(central.z.sum())):
                     raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
                 step_samples = sampler.step_size(learners.k, cfg.batch_size)
                 state["offset"] += step_samples

@@ -18,12 +18,18 @@ from crossbow_mpi.algorithms.base import Algorithm
 class SynchronousModelAveraging(Algorithm):
     name = "sma"
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.corrections = torch.empty(0)
+
     def step(self, lr: float) -> None:
         cfg, central, learners = self.config, self.central, self.learners
         w, v, g = learners.params, learners.momentum, learners.grads
         g.add_(w, alpha=cfg.weight_decay)
         v.mul_(cfg.momentum).sub_(g, alpha=lr)
-        corrections = torch.sub(w, central.params).mul_(cfg.alpha)
+        if self.corrections.shape != w.shape:
+            self.corrections = torch.empty_like(w)
+        corrections = torch.sub(w, central.params, out=self.corrections).mul_(cfg.alpha)
         w.add_(v).sub_(corrections)
         dz = self.allreduce_with_buffers(corrections.sum(0))
         dz.add_(central.u, alpha=cfg.central_momentum)
