@@ -1,0 +1,172 @@
+"""PyTorch DistributedDataParallel peer: S-SGD with momentum over gloo, one process per MPI rank.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 mpirun -n 2 python -m benchmarks.ddp_peer --run-dir DIR [--flags]
+
+A plain training loop that takes the flags and writes the metrics.jsonl records of `crossbow_mpi.train`, so the
+two compare run for run: each epoch is a seeded shuffle cut into disjoint per-rank shards, the model is evaluated
+on the whole test set (each rank a part) every --eval-every training samples of all ranks, and the clock starts
+at the first step and keeps running through evaluations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from crossbow_mpi.data import build_dataset
+from crossbow_mpi.models import build_model
+
+EVAL_BATCH = 1000
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ddp_peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl")
+    parser.add_argument("--model", default="lenet")
+    parser.add_argument("--dataset", default="mnist")
+    parser.add_argument("--data-dir", default="datasets/mnist")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=0.0005)
+    parser.add_argument("--epochs", type=float, default=10.0, help="upper bound on training epochs")
+    parser.add_argument("--target-accuracy", type=float, default=0.99, help="stop once reached (0: never)")
+    parser.add_argument("--eval-every", type=int, default=15000,
+                        help="training samples (all ranks) between evaluations")
+    parser.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args()
+
+
+def init_process_group() -> tuple[int, int]:
+    """Join the gloo group: rank and size from Open MPI's environment, the rendezvous from MASTER_ADDR/PORT."""
+    os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+    os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+    dist.init_process_group("gloo", init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, test_set, rank: int, world: int) -> tuple[float, float]:
+    """Return (accuracy, mean loss) on the whole test set, each rank evaluating a contiguous part."""
+    model.eval()
+    n = len(test_set)
+    start, stop = n * rank // world, n * (rank + 1) // world
+    totals = torch.zeros(2, dtype=torch.float64)
+    for first in range(start, stop, EVAL_BATCH):
+        inputs, targets = test_set.get_batch(torch.arange(first, min(first + EVAL_BATCH, stop)))
+        outputs = model(inputs)
+        totals[0] += float((outputs.argmax(1) == targets).sum())
+        totals[1] += float(F.cross_entropy(outputs, targets)) * len(targets)
+    dist.all_reduce(totals)
+    model.train()
+    return totals[0].item() / n, totals[1].item() / n
+
+
+def past(started: float, limit: float) -> bool:
+    """Tell, alike on every rank, whether any rank's clock has passed `limit` seconds."""
+    flag = torch.tensor([float(time.perf_counter() - started > limit)])
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
+def shards(sampler: DistributedSampler, batch_size: int, epochs: float, epoch_samples: int):
+    """Yield (epoch progress after the step, this rank's batch indices) up to the epoch limit."""
+    step_samples = sampler.num_replicas * batch_size
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        shard = torch.tensor(list(sampler))
+        for step in range(len(shard) // batch_size):
+            if epoch + step * step_samples / epoch_samples >= epochs:
+                return
+            yield epoch + (step + 1) * step_samples / epoch_samples, shard[step * batch_size:(step + 1) * batch_size]
+        epoch += 1
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    rank, world = init_process_group()
+    train_set, test_set = build_dataset(args.dataset, args.data_dir, args.seed)
+    torch.manual_seed(args.seed)
+    net = build_model(args.model, train_set.input_shape, train_set.num_classes)
+    model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    if rank == 0:
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        metrics.unlink(missing_ok=True)
+
+    def write(record: dict) -> None:
+        if rank == 0:
+            with metrics.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    samples, iterations, next_eval, epoch_progress = 0, 0, args.eval_every, 0.0
+    losses, window_samples, window_time = [], 0, 0.0
+    record, time_to_accuracy, time_limited = None, None, False
+
+    def evaluate_and_write() -> dict:
+        accuracy, test_loss = evaluate(net, test_set, rank, world)
+        train_loss = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+        dist.all_reduce(train_loss)
+        result = {"time_s": time.perf_counter() - started, "epoch": epoch_progress, "iteration": iterations,
+                  "samples": samples, "test_accuracy": accuracy, "test_loss": test_loss,
+                  "train_loss": (train_loss[0] / train_loss[1].clamp(min=1)).item(),
+                  "samples_per_s": window_samples / max(window_time, 1e-9), "lr": args.lr}
+        write(result)
+        return result
+
+    started = time.perf_counter()
+    for epoch_progress, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
+        step_started = time.perf_counter()
+        inputs, targets = train_set.get_batch(indices)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        samples += world * args.batch_size
+        iterations += 1
+        losses.append(loss.item())
+        window_samples += world * args.batch_size
+        window_time += time.perf_counter() - step_started
+        if samples >= next_eval:
+            next_eval += args.eval_every
+            record = evaluate_and_write()
+            losses, window_samples, window_time = [], 0, 0.0
+            if record["test_accuracy"] >= args.target_accuracy > 0:
+                time_to_accuracy = record["time_s"]
+                break
+            if not math.isfinite(record["train_loss"]):
+                break  # diverged: it will not reach the target
+            if args.time_limit and past(started, args.time_limit):
+                time_limited = True
+                break
+    if record is None or record["iteration"] != iterations:
+        record = evaluate_and_write()
+    write({"event": "summary", "reached": time_to_accuracy is not None, "time_to_accuracy_s": time_to_accuracy,
+           "time_limited": time_limited,
+           "target_accuracy": args.target_accuracy, "final_test_accuracy": record["test_accuracy"],
+           "time_s": time.perf_counter() - started, "iterations": iterations, "epochs": epoch_progress,
+           "samples": samples, "learners": 1, "world_size": world, "algorithm": "ddp",
+           "threads_per_rank": torch.get_num_threads(), "device": "cpu"})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Shared benchmark harness: MPI launches, interleaved repetitions, medians, JSON results and a closing table.
+
+Every benchmark module calls `main(measure, worker)`. `measure(options)` runs the benchmark and returns a
+Report; the harness writes it to OUT/NAME.json and prints its table last. A module that must time code inside
+an MPI job also passes `worker(settings) -> dict`, which `run_worker` starts on the ranks with
+`python -m benchmarks.NAME --worker SETTINGS.json RESULT.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1"}
+TRAINERS = {"crossbow": "crossbow_mpi.train", "ddp": "benchmarks.ddp_peer"}
+NEVER = 10**9
+"""An evaluation interval past the end of any run: evaluate once, at the end."""
+
+
+class BenchmarkError(RuntimeError):
+    """A launched job failed or hung; the message carries the end of its output."""
+
+    def __init__(self, message: str, returncode: int | None = None):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+@dataclass
+class Options:
+    """How a benchmark runs."""
+
+    name: str
+    """Module name under benchmarks/, also the JSON file's name."""
+    quick: bool
+    """Tiny budget: check that it runs and writes well-formed results, never speeds."""
+    out: Path
+    """Directory for NAME.json (and any plot)."""
+    reps: int
+    """Repetitions of each variant, run interleaved."""
+
+
+@dataclass
+class Report:
+    """What a benchmark measured: its table's rows (medians, ratios) and every run behind them."""
+
+    question: str
+    columns: list[str]
+    rows: list[dict]
+    runs: list[dict]
+    settings: dict
+    files: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """Render the rows as a fixed-width text table."""
+        cells = [self.columns] + [[format_value(row.get(c)) for c in self.columns] for row in self.rows]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def format_value(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def main(measure: Callable[[Options], Report], worker: Callable[[dict], dict] | None = None,
+         full_reps: int = 3) -> None:
+    """Run a benchmark module from the command line (or, with --worker, one rank of its MPI job)."""
+    name = Path(sys.modules["__main__"].__file__).stem
+    if sys.argv[1:2] == ["--worker"]:
+        _worker_main(worker, Path(sys.argv[2]), Path(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}",
+                                     description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny budget: check that it runs, not speeds")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
+                        help=f"directory for {name}.json (default: %(default)s)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"repetitions of each variant (default: {full_reps}, quick: 1)")
+    args = parser.parse_args()
+    options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps))
+    options.out.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
+    report = measure(options)
+    record = {"benchmark": name, "question": report.question, "quick": options.quick, "reps": options.reps,
+              "date": started.isoformat(timespec="seconds"),
+              "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+              "command": " ".join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
+              "machine": machine(), "code": code_version(),
+              "load_average": {"before": load_before, "after": os.getloadavg()},
+              "settings": report.settings, "columns": report.columns, "rows": report.rows, "runs": report.runs,
+              "files": report.files}
+    path = options.out / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\n{report.question}\nwrote {path}\n\n{report.table()}", flush=True)
+
+
+def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:
+    from crossbow_mpi import runtime
+
+    runtime.install_abort_on_failure()
+    result = worker(json.loads(settings_path.read_text()))
+    if runtime.mpi().COMM_WORLD.Get_rank() == 0:
+        result_path.write_text(json.dumps(result))
+
+
+def log(message: str) -> None:
+    """Report progress on stderr, so that the table stays the last thing on stdout."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    """Describe the machine the numbers were measured on."""
+    import torch
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
+                 platform.processor())
+    mpi = subprocess.run([_mpirun(), "--version"], capture_output=True, text=True).stdout.splitlines()
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "mpi": mpi[0] if mpi else None}
+
+
+def code_version() -> dict:
+    """The commit the benchmarked code is at, and whether the work tree differed from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "crossbow_mpi"))}
+
+
+def _mpirun() -> str:
+    beside_python = Path(sys.executable).parent / "mpirun"
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpirun")
+    if not found:
+        raise BenchmarkError("no mpirun beside the Python interpreter or on PATH")
+    return found
+
+
+def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None) -> str:
+    """Run `python ARGS` on `ranks` MPI ranks from the repository root; return stdout; raise if it fails or hangs."""
+    command = ["timeout", "--kill-after=10", str(math.ceil(timeout)),
+               _mpirun(), "-n", str(ranks), "--oversubscribe", sys.executable, *args]
+    try:
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, **MPI_ENV, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout + 30)
+    except subprocess.TimeoutExpired as err:
+        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s") from err
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks exited {done.returncode}:\n{tail}", done.returncode)
+    return done.stdout
+
+
+def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
+    """Run benchmark `name`'s worker on `ranks` ranks with `settings`; return what its rank 0 returned."""
+    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
+        settings_path, result_path = Path(tmp) / "settings.json", Path(tmp) / "result.json"
+        settings_path.write_text(json.dumps(settings))
+        mpirun(ranks, ["-m", f"benchmarks.{name}", "--worker", str(settings_path), str(result_path)], timeout)
+        return json.loads(result_path.read_text())
+
+
+def train(trainer: str, ranks: int, flags: dict, timeout: float) -> dict:
+    """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
+        args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
+        for key, value in flags.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        try:
+            mpirun(ranks, args, timeout, env)
+        except BenchmarkError as err:
+            from crossbow_mpi.train import EXIT_DIVERGED
+
+            if err.returncode != EXIT_DIVERGED:
+                raise
+            return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    *evaluations, summary = records
+    return {"reached": summary["reached"], "tta_s": summary["time_to_accuracy_s"],
+            "epochs": summary["epochs"] if summary["reached"] else None, "epochs_run": summary["epochs"],
+            "final_accuracy": summary["final_test_accuracy"], "time_limited": summary.get("time_limited", False),
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations)}
+
+
+def train_row(runs: list[dict], variant: str) -> dict:
+    """Summarise one variant's `train` runs: how many reached the target, and the medians of the time and epochs
+    to it, of the final accuracy and of samples/s (diverged runs have neither of the last two)."""
+    mine = [run for run in runs if run["variant"] == variant]
+
+    def measured(key: str) -> float | None:
+        values = [run[key] for run in mine if run.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"reached": f"{sum(run['reached'] for run in mine)}/{len(mine)}",
+            "tta_s": median([run["tta_s"] for run in mine]), "epochs": median([run["epochs"] for run in mine]),
+            "accuracy": measured("final_accuracy"), "samples_per_s": measured("samples_per_s")}
+
+
+def mnist(test_samples: int):
+    """MNIST's training set and the first `test_samples` of its test set (for runs that do not measure evaluation)."""
+    from crossbow_mpi.data import ArrayDataset, build_dataset
+
+    train, test = build_dataset("mnist", str(REPO / "datasets" / "mnist"), seed=1)
+    return train, ArrayDataset(test.inputs[:test_samples], test.targets[:test_samples], test.num_classes,
+                               test.mean, test.std)
+
+
+def crossbow_samples_per_s(config, model_fn, train_set, test_set) -> float:
+    """Train with crossbow_mpi's Trainer inside this MPI job, in a fresh run directory shared by the ranks;
+    return the training samples/s of its last evaluation window (evaluations excluded) on every rank."""
+    from crossbow_mpi import Trainer, runtime
+    from crossbow_mpi.comm import MpiCommunicator
+
+    comm = MpiCommunicator(runtime.mpi().COMM_WORLD)
+    run_dir = comm.bcast_json(tempfile.mkdtemp(prefix="bench-run-") if comm.rank == 0 else None)
+    Trainer(dataclasses.replace(config, run_dir=run_dir), comm).fit(model_fn, train_set, test_set)
+    rate = None
+    if comm.rank == 0:
+        *_, last_evaluation, _summary = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        rate = json.loads(last_evaluation)["samples_per_s"]
+        shutil.rmtree(run_dir)
+    return comm.bcast_json(rate)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def interleave(variants: dict[str, Callable[[int], dict]], reps: int, quiet: bool = False) -> list[dict]:
+    """Run repetition r of every variant before repetition r+1 (A B A B …), so that drift in the machine's
+    load hits every variant alike; return the runs tagged with their variant and repetition."""
+    runs = []
+    for rep in range(reps):
+        for variant, run in variants.items():
+            result = run(rep)
+            if not quiet:
+                log(f"  {variant} rep {rep}: {json.dumps(result)}")
+            runs.append({"variant": variant, "rep": rep, **result})
+    return runs
+
+
+def median(values: list) -> float | None:
+    """Median with None (not reached) ranked above every number; None when that is where the median falls."""
+    ranked = sorted(math.inf if v is None else v for v in values)
+    middle = statistics.median(ranked) if ranked else math.inf
+    return None if math.isinf(middle) or math.isnan(middle) else middle
+
+
+def column(runs: list[dict], variant: str, key: str) -> list:
+    """The values of `key` in one variant's runs."""
+    return [run[key] for run in runs if run["variant"] == variant]
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator

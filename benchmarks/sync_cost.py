@@ -1,0 +1,107 @@
+"""Sync cost: one SMA step against a raw mpi4py Allreduce of a float32 buffer of the model's size.
+
+The SMA step (2 learners per rank) is everything crossbow_mpi does per iteration after the gradients: the
+learners' momentum update, the corrections, their local sum, the allreduce of [corrections | buffers] and the
+central update. Each time is the mean over a loop of calls on the slowest rank; rounds alternate the two.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from benchmarks import harness
+
+MODELS = {"lenet": (1, 28, 28), "resnet32": (3, 32, 32)}
+LEARNERS = 2
+
+
+@dataclass
+class Budget:
+    """How long a mode times."""
+
+    ranks: tuple[int, ...]
+    calls: int
+    """Calls per timed loop; --reps loops of each variant alternate."""
+    timeout_s: float
+
+
+FULL = Budget(ranks=(2, 4), calls=50, timeout_s=300)
+QUICK = Budget(ranks=(2, 4), calls=3, timeout_s=120)
+
+COLUMNS = ["ranks", "model", "floats", "sma_step_us", "allreduce_us", "ratio"]
+
+
+def worker(settings: dict) -> dict:
+    """Time both variants for every model on this job's ranks; return per-model medians and every loop."""
+    import numpy as np
+    import torch
+
+    from crossbow_mpi import Config, runtime
+    from crossbow_mpi.algorithms import SynchronousModelAveraging
+    from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.flat import FlatLayout
+    from crossbow_mpi.learners import CentralModel, Learners
+    from crossbow_mpi.models import build_model
+
+    MPI = runtime.mpi()
+    comm = MpiCommunicator(MPI.COMM_WORLD)
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    results = {}
+    for name, shape in MODELS.items():
+        def model_fn(name=name, shape=shape):
+            return build_model(name, shape, 10)
+
+        module = model_fn()
+        layout = FlatLayout(module)
+        central = CentralModel(module, layout)
+        learners = Learners(model_fn, layout, central, LEARNERS)
+        learners.grads.normal_(std=1e-3)
+        sma = SynchronousModelAveraging(Config(learners=LEARNERS), comm, central, learners)
+        buffer = np.ones(layout.num_state, dtype=np.float32)
+
+        def timed(call):
+            def loop(rep: int) -> dict:
+                comm.barrier()
+                started = time.perf_counter()
+                for _ in range(settings["calls"]):
+                    call()
+                elapsed = np.array([(time.perf_counter() - started) / settings["calls"]])
+                comm.mpi_comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
+                return {"us": float(elapsed[0]) * 1e6}
+            return loop
+
+        variants = {"sma_step": timed(lambda: sma.step(0.01)),
+                    "allreduce": timed(lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer))}
+        for loop in variants.values():
+            loop(-1)  # warm up
+        runs = harness.interleave(variants, settings["reps"], quiet=True)
+        results[name] = {"floats": layout.num_state, "runs": runs,
+                         **{f"{v}_us": statistics.median(harness.column(runs, v, "us"))
+                            for v in ("sma_step", "allreduce")}}
+    return results
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    rows, runs = [], []
+    for ranks in budget.ranks:
+        harness.log(f"sync_cost: {ranks} ranks")
+        measured = harness.run_worker(options.name, ranks, {"calls": budget.calls, "reps": options.reps},
+                                      budget.timeout_s)
+        for model, result in measured.items():
+            rows.append({"ranks": ranks, "model": model, "floats": result["floats"],
+                         "sma_step_us": result["sma_step_us"], "allreduce_us": result["allreduce_us"],
+                         "ratio": harness.ratio(result["sma_step_us"], result["allreduce_us"])})
+            runs += [{"ranks": ranks, "model": model, **run} for run in result["runs"]]
+    return harness.Report(
+        question=f"One SMA step ({LEARNERS} learners per rank) against a raw Allreduce of the model's float32 state, "
+                 "µs per call on the slowest rank (medians of alternating loops; 1 thread per rank, "
+                 "more ranks than cores oversubscribe them)",
+        columns=COLUMNS, rows=rows, runs=runs, settings={"learners": LEARNERS, "budget": asdict(budget)})
+
+
+if __name__ == "__main__":
+    harness.main(measure, worker, full_reps=7)

@@ -1,0 +1,40 @@
+"""Every benchmark's quick mode runs and writes well-formed results (never checks speeds)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+COLUMNS = {
+    "tta": {"phase", "system", "algorithm", "k", "b", "lr", "reached", "tta_s", "epochs", "samples_per_s", "vs_ddp"},
+    "stat_efficiency": {"algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s"},
+    "throughput": {"system", "samples_per_s", "vs_ddp"},
+    "sync_cost": {"ranks", "model", "floats", "sma_step_us", "allreduce_us", "ratio"},
+    "overhead": {"b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
+    "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
+}
+RECORD_KEYS = {"benchmark", "question", "quick", "reps", "date", "wall_s", "command", "machine", "load_average",
+               "settings", "columns", "rows", "runs", "files", "code"}
+
+
+@pytest.mark.parametrize("name", COLUMNS)
+def test_quick_mode_writes_results(name, tmp_path):
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert RECORD_KEYS <= result.keys()
+    assert result["benchmark"] == name and result["quick"] is True and result["runs"]
+    assert result["rows"] and all(COLUMNS[name] <= row.keys() for row in result["rows"])
+    assert COLUMNS[name] <= set(result["columns"])
+    table = done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2:]
+    assert table[0].split() == result["columns"], "the table is not the last thing printed"
+    if name == "stat_efficiency":
+        assert (tmp_path / "stat_efficiency.png").stat().st_size > 0
+    subprocess.run([sys.executable, "-m", "benchmarks.report", "--results", str(tmp_path),
+                    "--output", str(tmp_path / "RESULTS.md")], cwd=REPO, timeout=60, check=True)
+    rendered = (tmp_path / "RESULTS.md").read_text()
+    assert f"## {name}" in rendered and "| " + " | ".join(result["columns"]) + " |" in rendered
