@@ -24,7 +24,7 @@ class Config:
     """Everything that defines a run. Same config and seed give the same bits."""
 
     algorithm: str = "sma"
-    """Training algorithm: `sma` (synchronous model averaging) or `ssgd` (synchronous SGD)."""
+    """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD) or `eager` (eager-SGD)."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
     dataset: str = "mnist"

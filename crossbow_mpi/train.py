@@ -38,7 +38,7 @@ def field_docs(cls) -> dict[str, str]:
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m crossbow_mpi.train",
                      description="Train a model over MPI ranks with several learners per device "
-                                 "(SMA or synchronous SGD).",
+                                 "(SMA, synchronous SGD or eager-SGD).",
                      argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="RUN.toml", help="TOML file with config keys; flags override it.")
     docs = field_docs(Config)

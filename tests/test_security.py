@@ -16,7 +16,7 @@ from crossbow_mpi.data.prepare import prepare
 
 UNSAFE_CALLS = re.compile(r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"
                           # mpi4py's lower-case methods pickle their Python objects
-                          r"|(?:comm|COMM_WORLD)\.(?:bcast|allgather|gather|scatter|send|recv|isend|irecv|"
+                          r"|(?:mpi_comm|COMM_WORLD|COMM_SELF)\.(?:bcast|allgather|gather|scatter|send|recv|isend|irecv|"
                           r"allreduce|reduce|sendrecv|alltoall)\(")
 
 

@@ -1,9 +1,11 @@
 """Training algorithms by name."""
 
 from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.algorithms.eager import EagerSGD
 from crossbow_mpi.algorithms.sma import SynchronousModelAveraging
 from crossbow_mpi.algorithms.ssgd import SynchronousSGD
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging)}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging, EagerSGD)}
 
-__all__ = ["ALGORITHMS", "Algorithm", "SynchronousModelAveraging", "SynchronousSGD"]
+__all__ = ["ALGORITHMS", "Algorithm", "EagerSGD", "SynchronousModelAveraging", "SynchronousSGD"]

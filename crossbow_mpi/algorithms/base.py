@@ -30,6 +30,10 @@ class Algorithm:
     def drain(self) -> None:
         """Finish outstanding communication, so that every rank holds the same, complete state."""
 
+    def statistics(self) -> dict:
+        """Return fields for the next evaluation record, the same on every rank."""
+        return {}
+
     def allreduce_with_buffers(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Allreduce [local_sum | mean of the learners' float buffers] as one message.
 

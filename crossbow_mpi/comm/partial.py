@@ -15,13 +15,15 @@ Activation spreads over a hypercube: a rank activated by its own arrival or by a
 message to each neighbour, so every rank receives exactly one message from each neighbour per eager round.
 A progress thread per rank, on its own duplicated communicator, handles activations and the rounds' collectives
 while the main thread computes: a small non-blocking allreduce of the round's staleness histogram, which every
-rank joins, then, when the round carries anything, one blocking `allreduce_sum_` of the sums by the job's
-communicator class, so that a round holding every rank's fresh x gives the bits of a full allreduce. Waits poll
-with short sleeps: MPI's blocking waits spin and would take a core from the learners.
+rank joins, then, when the round carries anything, one blocking `MpiCommunicator.allreduce_sum_` of the sums,
+so that a round holding every rank's fresh x gives the bits of an MPI allreduce (rounds always travel over MPI,
+also when the job's communicator is NCCL). Waits poll with short sleeps: MPI's blocking waits spin and would take
+a core from the learners.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from crossbow_mpi.comm import Communicator, build_communicator
+from crossbow_mpi.comm.base import Communicator
+from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import ConfigError
 
 MODES = ("solo", "majority")
@@ -43,9 +46,8 @@ POLL_MAX_S = 1e-3
 class Round:
     """One fired round, the same on every rank."""
 
-    number: int
     kind: str
-    """`eager` (activated by solo or majority arrivals), `sync` (forced by sync_every) or `drain`."""
+    """`eager` (activated by solo or majority arrivals), `sync` (waits for every rank) or `drain`."""
     staleness: np.ndarray
     """Contributions it carried by rounds waited (index 0: fresh, arrived for this round)."""
     total: torch.Tensor | None
@@ -68,7 +70,7 @@ class PartialAllreduce(Communicator):
         self.mode = mode
         self.sync_every = sync_every
         self.seed = seed
-        self.neighbours = [self.rank ^ bit for bit in (1 << i for i in range(self.size.bit_length()))
+        self.neighbours = [self.rank ^ bit for bit in (1 << i for i in range((self.size - 1).bit_length()))
                            if self.rank ^ bit < self.size]
         self.cond = threading.Condition()
         self.pending: list[tuple[int, torch.Tensor]] = []
@@ -117,8 +119,8 @@ class PartialAllreduce(Communicator):
         return self.drained is not None
 
     def statistics(self) -> dict:
-        """Return and reset what the rounds returned since the last call: rounds fired, synchronous rounds forced
-        by sync_every, fresh contributions per round (drains aside) and the staleness histogram."""
+        """Return and reset what the rounds returned since the last call: rounds fired, synchronous rounds (firsts
+        and every sync_every-th), fresh contributions per round (drains aside) and the staleness histogram."""
         window, self.window = self.window, self._empty_window()
         staleness = window["staleness"].tolist()
         while staleness and staleness[-1] == 0:
@@ -158,7 +160,7 @@ class PartialAllreduce(Communicator):
     def _start(self, template: torch.Tensor) -> None:
         """Start the progress thread on a duplicated communicator (collective: the first round is synchronous)."""
         self.channel = self.mpi_comm.Dup()
-        self.transport = build_communicator(self.channel)
+        self.transport = MpiCommunicator(self.channel)
         self.zeros = torch.zeros_like(template)
         self.thread = threading.Thread(target=self._progress, args=(self.next_round,), name="partial-allreduce",
                                        daemon=True)
@@ -186,19 +188,18 @@ class PartialAllreduce(Communicator):
                 taken, self.pending = self.pending, []
             staleness = np.bincount([number - arrived for arrived, _ in taken], minlength=self.sync_every)
             assert len(staleness) == self.sync_every, "a contribution waited past a synchronous round"
-            _wait([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])
+            _wait([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])  # every rank joins
             total = None
             if staleness.any():
-                total = self.zeros.clone() if not taken else taken[0][1]
-                for _, contribution in taken[1:]:
-                    total = total + contribution
+                contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
+                total = functools.reduce(torch.add, contributions)
                 self.transport.allreduce_sum_(total)
             if kind == "eager":
                 _wait(recvs + sends)
                 assert (inbox == number).all(), "activation messages out of step"
                 recvs = self._listen(inbox)
             with self.cond:
-                self.fired[number] = Round(number, kind, staleness, total)
+                self.fired[number] = Round(kind, staleness, total)
                 self.cond.notify_all()
             if kind == "drain":
                 break
@@ -214,12 +215,12 @@ class PartialAllreduce(Communicator):
 
     def _activation(self, number: int, recvs: list) -> str:
         """Wait until round `number` is activated, by this rank's arrival or a neighbour's message; return its kind."""
+        activates = self.mode == "solo" or self.initiator(number) == self.rank
         poll = POLL_MIN_S
         while True:
             with self.cond:
                 arrived, kind = self.arrival
-                activates = kind != "eager" or self.mode == "solo" or self.initiator(number) == self.rank
-                if arrived == number and activates:
+                if arrived == number and (kind != "eager" or activates):
                     return kind
                 self.cond.wait(poll)
             if any(request.Test() for request in recvs):
@@ -229,9 +230,7 @@ class PartialAllreduce(Communicator):
 
 def _wait(requests: list) -> None:
     """Complete MPI requests, sleeping between tests instead of spinning."""
-    from mpi4py import MPI
-
     poll = POLL_MIN_S
-    while not MPI.Request.Testall(requests):
+    while not Communicator.mpi().Request.Testall(requests):
         time.sleep(poll)
         poll = min(2 * poll, POLL_MAX_S)

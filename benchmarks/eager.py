@@ -1,0 +1,76 @@
+"""eager-SGD against S-SGD under load imbalance: time to the same test accuracy, LeNet/MNIST on 4 ranks × 1 thread.
+
+Two injected imbalances: `random` as in the paper (every step one or two ranks, drawn with the seed, sleep a
+fixed time) and one slow rank (it takes FACTOR times its own compute), and `none` as the control. Under each,
+S-SGD, eager-SGD solo and eager-SGD majority run with the same seeds, interleaved repetition by repetition; the
+table gives medians and the speedup over S-SGD under the same imbalance (S-SGD's time to accuracy / the
+algorithm's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from benchmarks import harness
+
+RANKS = 4
+ALGORITHMS = {"ssgd": {"algorithm": "ssgd"},
+              "eager solo": {"algorithm": "eager", "eager_mode": "solo"},
+              "eager majority": {"algorithm": "eager", "eager_mode": "majority"}}
+
+
+@dataclass
+class Budget:
+    """What a mode trains, how far and under which imbalances."""
+
+    model: str
+    dataset: str
+    target_accuracy: float
+    eval_every: int
+    """Training samples (all ranks) between evaluations of the whole test set."""
+    epochs: float
+    """Epoch limit of a run: a run that needs more has not reached the target."""
+    batch_size: int
+    lr: float
+    imbalances: dict[str, str]
+    """Name → `--inject-imbalance` value."""
+    timeout_s: float
+
+
+FULL = Budget("lenet", "mnist", 0.97, 3200, epochs=1, batch_size=16, lr=0.02,
+              imbalances={"none": "", "random": "random:30", "slow rank": f"slow-rank:{RANKS - 1}:1.5"}, timeout_s=300)
+QUICK = Budget("mlp", "synthetic-mnist", 0.15, 600, epochs=0.02, batch_size=16, lr=0.01,
+               imbalances={"random": "random:5"}, timeout_s=120)
+
+COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "epochs", "samples_per_s", "speedup"]
+
+
+def runner(flags: dict, budget: Budget):
+    return lambda rep: harness.train("crossbow", RANKS, {**flags, "seed": rep + 1}, budget.timeout_s)
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    common = {"model": budget.model, "dataset": budget.dataset, "target_accuracy": budget.target_accuracy,
+              "eval_every": budget.eval_every, "epochs": budget.epochs, "batch_size": budget.batch_size,
+              "lr": budget.lr, "learners": 1, "threads": 1}
+    variants = {f"{imbalance} / {name}": {**common, **flags, "inject_imbalance": spec}
+                for imbalance, spec in budget.imbalances.items() for name, flags in ALGORITHMS.items()}
+    harness.log(f"eager: {len(variants)} variants × {options.reps} on {RANKS} ranks")
+    runs = harness.interleave({variant: runner(flags, budget) for variant, flags in variants.items()}, options.reps)
+    rows = []
+    for imbalance in budget.imbalances:
+        reference = harness.train_row(runs, f"{imbalance} / ssgd")["tta_s"]
+        for name in ALGORITHMS:
+            row = harness.train_row(runs, f"{imbalance} / {name}")
+            rows.append({"imbalance": imbalance, "algorithm": name, **row,
+                         "speedup": harness.ratio(reference, row["tta_s"])})
+    return harness.Report(
+        question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, {RANKS} "
+                 "ranks × 1 thread, under injected imbalance (medians; speedup = S-SGD's time / the algorithm's)",
+        columns=COLUMNS, rows=rows, runs=runs,
+        settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants})
+
+
+if __name__ == "__main__":
+    harness.main(measure)
