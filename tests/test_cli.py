@@ -79,14 +79,21 @@ BAD_RUNS = {
     "unknown model": (lambda tmp: ["--model", "vgg"], "--model: unknown value 'vgg'"),
     "unknown flag": (lambda tmp: ["--learner", "2"], "unrecognized arguments"),
     "resume without checkpoint": (lambda tmp: ["--resume"], "no valid checkpoint"),
+    "run dir is a file": (lambda tmp: ["--run-dir", str(file_in(tmp))], "--run-dir"),
 }
+
+
+def file_in(tmp):
+    path = tmp / "not-a-directory"
+    path.write_text("x")
+    return path
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("case", sorted(BAD_RUNS))
 def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     make_args, expected = BAD_RUNS[case]
-    args = make_args(tmp_path) + ["--run-dir", str(tmp_path / "run")]
+    args = ["--run-dir", str(tmp_path / "run")] + make_args(tmp_path)
     started = time.monotonic()
     job = run_job(ranks, args, timeout=60)
     assert job.returncode == 2, job.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 
+import h5py
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,18 @@ def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, caps
     if comm.rank == 0:
         err = capsys.readouterr().err
         assert "skipped checkpoint-000000030.h5: unreadable" in err and "resumed from checkpoint-000000025.h5" in err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_of_another_format_version_is_skipped_with_the_reason(comm, shared_tmp, capsys):
+    fit(comm, config(shared_tmp, epochs=1))
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(str(shared_tmp))[-1], "r+") as f:
+            f.attrs["format_version"] = 99
+    comm.barrier()
+    fit(comm, config(shared_tmp, epochs=1, resume=True))
+    if comm.rank == 0:
+        assert "skipped checkpoint-000000016.h5: format version 99 (expected 1)" in capsys.readouterr().err
 
 
 @pytest.mark.mpi(min_size=1)
