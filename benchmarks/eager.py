@@ -20,21 +20,13 @@ ALGORITHMS = {"ssgd": {"algorithm": "ssgd"},
 
 
 @dataclass
-class Budget:
-    """What a mode trains, how far and under which imbalances."""
+class Budget(harness.Budget):
+    """Which imbalances, at which batch size and learning rate."""
 
-    model: str
-    dataset: str
-    target_accuracy: float
-    eval_every: int
-    """Training samples (all ranks) between evaluations of the whole test set."""
-    epochs: float
-    """Epoch limit of a run: a run that needs more has not reached the target."""
     batch_size: int
     lr: float
     imbalances: dict[str, str]
     """Name → `--inject-imbalance` value."""
-    timeout_s: float
 
 
 FULL = Budget("lenet", "mnist", 0.97, 3200, epochs=1, batch_size=16, lr=0.02,

@@ -56,6 +56,21 @@ class Options:
 
 
 @dataclass
+class Budget:
+    """What a training benchmark's mode trains and how far; each benchmark adds its own fields."""
+
+    model: str
+    dataset: str
+    target_accuracy: float
+    eval_every: int
+    """Training samples (all ranks) between evaluations of the whole test set."""
+    epochs: float
+    """Epoch limit of a run: a run that needs more has not reached the target."""
+    timeout_s: float
+    """Wall-clock limit of one launched job."""
+
+
+@dataclass
 class Report:
     """What a benchmark measured: its table's rows (medians, ratios) and every run behind them."""
 

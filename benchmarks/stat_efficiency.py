@@ -19,17 +19,10 @@ LR_AT_64 = 0.01
 
 
 @dataclass
-class Budget:
-    """What a mode trains and how far."""
+class Budget(harness.Budget):
+    """Which aggregate batch sizes to sweep."""
 
-    model: str
-    dataset: str
-    target_accuracy: float
-    eval_every: int
-    epochs: float
-    """Epoch limit of a run; a point that needs more is reported as not reached."""
     aggregates: tuple[int, ...]
-    timeout_s: float
 
 
 FULL = Budget("lenet", "mnist", 0.99, 20000, epochs=3, aggregates=(16, 64, 256, 1024), timeout_s=900)

@@ -21,25 +21,17 @@ SMA = {"batch_size": 16, "lr": 0.01}
 
 
 @dataclass
-class Budget:
-    """What a mode trains and how far."""
+class Budget(harness.Budget):
+    """The DDP grid's extent."""
 
-    model: str
-    dataset: str
-    target_accuracy: float
-    eval_every: int
-    """Training samples (all ranks) between evaluations of the whole test set."""
     grid_epochs: float
     """Epoch limit of a grid run: a point that needs more is not a contender."""
-    epochs: float
-    """Epoch limit of a comparison run."""
     batch_sizes: tuple[int, ...]
     """Per-rank batch sizes of the DDP grid, likeliest winner first: a grid run stops (`--time-limit`) once it
     has trained longer than the fastest run so far took to reach the target, since it can no longer win."""
     lrs_at_64: tuple[float, ...]
     """The grid's learning rates at per-rank batch 64, scaled linearly with the batch size."""
     grid_reps: int
-    timeout_s: float
 
 
 FULL = Budget("lenet", "mnist", 0.99, 15000, grid_epochs=3, epochs=6, batch_sizes=(64, 256, 16),

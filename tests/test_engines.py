@@ -45,11 +45,11 @@ def test_bf16_autocast_trains_while_z_stays_float32(comm, shared_tmp):
 
 @pytest.mark.mpi(min_size=2)
 def test_auto_learners_change_consistently_and_sma_equations_hold(comm, shared_tmp):
-    train = synthetic_dataset((1, 6, 6), 10, 2 * comm.size * 160, seed=0)
+    train = synthetic_dataset((1, 6, 6), 10, 4 * comm.size * 60, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 40, seed=1)
     cfg = Config(run_dir=str(shared_tmp / "auto"), learners="auto", autotune_interval=3, max_learners=4,
-                 autotune_threshold=0.0, batch_size=2, epochs=1, eval_every=0, target_accuracy=0, seed=9,
-                 lr=0.05, weight_decay=0.001)
+                 autotune_threshold=0.0, batch_size=4, epochs=1, eval_every=0, target_accuracy=0, seed=9,
+                 lr=0.02, weight_decay=0.001)
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
 
     records = comm.bcast_json([json.loads(line) for line in (shared_tmp / "auto" / "metrics.jsonl").read_text()
