@@ -24,11 +24,6 @@ FULL = {"ranks": 4, "duration_s": 1200, "sample_every_s": 5.0, "settle_s": 60, "
 QUICK = {"ranks": 2, "duration_s": 20, "sample_every_s": 1.0, "settle_s": 5, "checkpoint_every": 50}
 
 
-def resident_mib() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def worker(settings: dict) -> dict:
     """On every rank: train until the stop signal, sampling resident memory; rank 0 returns all samples."""
     from mpi4py import MPI
@@ -37,6 +32,7 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.data import build_dataset
     from crossbow_mpi.models import build_model
+    from crossbow_mpi.tuner import resident_bytes
 
     comm = MpiCommunicator(MPI.COMM_WORLD)
     run_dir = comm.bcast_json(tempfile.mkdtemp(prefix="bench-soak-") if comm.rank == 0 else None)
@@ -45,7 +41,7 @@ def worker(settings: dict) -> dict:
 
     def sample() -> None:
         while not done.wait(settings["sample_every_s"]):
-            samples.append((time.monotonic() - started, resident_mib()))
+            samples.append((time.monotonic() - started, resident_bytes() / 2**20))
 
     runtime.install_stop_signals()
     threading.Timer(settings["duration_s"], lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()

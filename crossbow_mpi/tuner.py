@@ -128,7 +128,7 @@ class AutoTuner:
             free, total = torch.cuda.mem_get_info(self.device)
             used, cap = total - free, total
         else:
-            used = _resident_bytes()
+            used = resident_bytes()
             cap = (self.max_memory or RAM_FRACTION * _total_ram_bytes()) / self.local_size
         if self.memory_before_add is not None:
             self.observed_bytes = max(self.observed_bytes, used - self.memory_before_add)
@@ -141,7 +141,8 @@ class AutoTuner:
         self.active, self.baseline, self.observed_bytes = state["active"], state["baseline"], state["observed_bytes"]
 
 
-def _resident_bytes() -> float:
+def resident_bytes() -> float:
+    """Return this process's resident set size in bytes."""
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

@@ -16,7 +16,8 @@ from torch import nn
 from conftest import REPO
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
-from crossbow_mpi.comm.partial import MODES, PartialAllreduce
+from crossbow_mpi.comm.partial import PartialAllreduce
+from crossbow_mpi.config import EAGER_MODES
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.train import parse_config
 from test_algorithms import BATCH, STEPS, datasets, run_config
@@ -40,7 +41,7 @@ def evaluation_records(comm, run_dir) -> list[dict]:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", EAGER_MODES)
 def test_rounds_carry_every_contribution_once_late_ones_later_and_within_the_bound(comm, mode):
     steps, sync_every, late = 10, 4, comm.size - 1
     partial = PartialAllreduce(comm, mode, sync_every, seed=3)
@@ -100,7 +101,7 @@ def test_a_round_with_every_fresh_gradient_is_an_ssgd_step_bit_for_bit(comm, sha
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", EAGER_MODES)
 def test_under_imbalance_all_ranks_keep_one_model_and_every_gradient_is_applied_once(comm, shared_tmp, mode):
     learners, sync_every = 2, 4
     train, test = datasets(comm.size, learners)

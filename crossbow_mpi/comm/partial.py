@@ -34,9 +34,8 @@ import torch
 
 from crossbow_mpi.comm.base import Communicator
 from crossbow_mpi.comm.mpi import MpiCommunicator
-from crossbow_mpi.config import ConfigError
+from crossbow_mpi.config import EAGER_MODES, ConfigError
 
-MODES = ("solo", "majority")
 ACTIVATE_TAG = 0x0EA6
 POLL_MIN_S = 5e-5
 POLL_MAX_S = 1e-3
@@ -63,7 +62,7 @@ class PartialAllreduce(Communicator):
 
     def __init__(self, comm: Communicator, mode: str, sync_every: int, seed: int):
         super().__init__(comm.mpi_comm)
-        assert mode in MODES and sync_every >= 1
+        assert mode in EAGER_MODES and sync_every >= 1
         if self.mpi().Query_thread() < self.mpi().THREAD_MULTIPLE:
             raise ConfigError("partial collectives need MPI initialised with MPI_THREAD_MULTIPLE")
         self.comm = comm
