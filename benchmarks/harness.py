@@ -214,7 +214,8 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float) -> dict:
                 raise
             return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    *evaluations, summary = records
+    summary = records[-1]
+    evaluations = [record for record in records if "test_accuracy" in record]
     return {"reached": summary["reached"], "tta_s": summary["time_to_accuracy_s"],
             "epochs": summary["epochs"] if summary["reached"] else None, "epochs_run": summary["epochs"],
             "final_accuracy": summary["final_test_accuracy"], "time_limited": summary.get("time_limited", False),

@@ -2,9 +2,9 @@
 
 The DDP peer (benchmarks/ddp_peer.py, S-SGD with momentum over gloo) first runs a grid of per-rank batch sizes ×
 two learning rates (scaled linearly with the batch), a run stopping once it has trained longer than the fastest
-so far needed; the fastest point is the reference. Then, interleaved
-repetition by repetition, the reference, crossbow_mpi S-SGD at the same batch and learning rate, and SMA with
-1, 2 and 4 learners per rank run with the same seeds, data order idea, evaluation interval and evaluation cost.
+so far needed; the fastest point is the reference. Then, interleaved repetition by repetition, the reference,
+crossbow_mpi S-SGD at the same batch and learning rate, and SMA with 1, 2 and 4 learners per rank and with
+`--learners auto` run with the same seeds, evaluation interval and evaluation cost.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def measure(options: harness.Options) -> harness.Report:
     ssgd = grid[best]
     variants = {"ddp": ("ddp", ssgd), "crossbow ssgd": ("crossbow", {"algorithm": "ssgd", "learners": 1, **ssgd})}
     variants |= {f"crossbow sma k={k}": ("crossbow", {"algorithm": "sma", "learners": k, **SMA}) for k in LEARNERS}
+    variants["crossbow sma auto"] = ("crossbow", {"algorithm": "sma", "learners": "auto", **SMA})
     flags = {name: {**common_flags(budget, budget.epochs), **extra} for name, (_, extra) in variants.items()}
     runs = harness.interleave({name: runner(trainer, flags[name], budget)
                                for name, (trainer, _) in variants.items()}, options.reps)

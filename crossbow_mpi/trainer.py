@@ -16,6 +16,7 @@ from torch import nn
 from crossbow_mpi import checkpoint, runtime
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
+from crossbow_mpi.comm.base import StopAgreement
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.engines import build_engine, check_engine
@@ -28,6 +29,9 @@ from crossbow_mpi.tuner import AutoTuner, Policy
 from crossbow_mpi.watchdog import Watchdog
 
 EVAL_BATCH = 1000
+STOP_LAG = 16
+"""Steps between a stop vote and its outcome: ranks may run this far apart, and stop this many steps after a
+signal."""
 
 
 @dataclass
@@ -159,11 +163,12 @@ class Trainer:
             checkpoint.save(comm, cfg.run_dir, central, learners, state, cfg.to_json(), cfg.keep_checkpoints)
 
         watchdog = Watchdog(comm.mpi_comm, cfg.collective_timeout) if cfg.collective_timeout else None
+        stopping = StopAgreement(comm.mpi_comm, STOP_LAG, runtime.stop_requested)
         try:
             started = time.perf_counter()
             window_samples, window_time = 0, 0.0
             lr, _ = learning_rate(cfg, epoch_progress())
-            record, stop = None, 0.0
+            record, stop = None, False
             while epoch_progress() < cfg.epochs and state["time_to_accuracy_s"] is None:
                 if not sampler.fits(state["offset"], learners.k, cfg.batch_size):
                     state["epoch"], state["offset"] = state["epoch"] + 1, 0
@@ -183,7 +188,7 @@ class Trainer:
                     time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
                                                     time.perf_counter() - step_started))
                 algorithm.step(lr)
-                stop, = comm.allreduce_sum_numbers([float(runtime.stop_requested())])
+                stop = stopping.poll()
                 if not math.isfinite(float(central.z.sum())):
                     raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
                 step_samples = sampler.step_size(learners.k, cfg.batch_size)
@@ -213,6 +218,7 @@ class Trainer:
                 if stop:
                     break
             algorithm.drain()
+            stopping.close()
             progress.close()
             engine.close()
             if stop:

@@ -19,6 +19,8 @@ class Algorithm:
         self.comm = comm
         self.central = central
         self.learners = learners
+        self.message = torch.empty(0)
+        """The sync message, allocated once."""
 
     def step(self, lr: float) -> None:
         """Apply one iteration's update and synchronisation."""
@@ -34,14 +36,19 @@ class Algorithm:
         """Return fields for the next evaluation record, the same on every rank."""
         return {}
 
-    def allreduce_with_buffers(self, local_sum: torch.Tensor) -> torch.Tensor:
-        """Allreduce [local_sum | mean of the learners' float buffers] as one message.
+    def allreduce_with_buffers(self, rows: torch.Tensor) -> torch.Tensor:
+        """Allreduce [sum of the learners' rows | mean of the learners' float buffers] as one message; return the
+        first part.
 
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the mean of
         all learners' buffers (over every learner of every rank) at each sync.
         """
-        num_learners = self.learners.k * self.comm.size
-        message = torch.cat([local_sum, self.learners.buffers.sum(0).div_(num_learners)])
+        num_params = rows.shape[1]
+        if self.message.numel() != num_params + self.central.buffers.numel():
+            self.message = rows.new_empty(num_params + self.central.buffers.numel())
+        message = self.message
+        torch.sum(rows, 0, out=message[:num_params])
+        torch.sum(self.learners.buffers, 0, out=message[num_params:]).div_(self.learners.k * self.comm.size)
         self.comm.allreduce_sum_(message)
-        self.central.buffers.copy_(message[local_sum.numel():])
-        return message[:local_sum.numel()]
+        self.central.buffers.copy_(message[num_params:])
+        return message[:num_params]

@@ -38,10 +38,10 @@ class EagerSGD(SynchronousSGD):
         self.lr = lr
         super().step(lr)
 
-    def allreduce_with_buffers(self, local_sum: torch.Tensor) -> torch.Tensor:
+    def allreduce_with_buffers(self, rows: torch.Tensor) -> torch.Tensor:
         """Sync as S-SGD does, over the partial allreduce; z's buffers become the mean over the learners whose
         gradients the round carried (the message divides them by every learner of every rank)."""
-        gradient = super().allreduce_with_buffers(local_sum)
+        gradient = super().allreduce_with_buffers(rows)
         self.central.buffers.mul_(self.comm.size / self.comm.last.contributions)
         return gradient
 

@@ -31,7 +31,7 @@ class SynchronousModelAveraging(Algorithm):
             self.corrections = torch.empty_like(w)
         corrections = torch.sub(w, central.params, out=self.corrections).mul_(cfg.alpha)
         w.add_(v).sub_(corrections)
-        dz = self.allreduce_with_buffers(corrections.sum(0))
+        dz = self.allreduce_with_buffers(corrections)
         dz.add_(central.u, alpha=cfg.central_momentum)
         central.u.copy_(dz)
         central.params.add_(dz)

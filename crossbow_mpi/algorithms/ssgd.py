@@ -14,7 +14,7 @@ class SynchronousSGD(Algorithm):
 
     def step(self, lr: float) -> None:
         cfg, central = self.config, self.central
-        g = self.allreduce_with_buffers(self.learners.grads.sum(0))
+        g = self.allreduce_with_buffers(self.learners.grads)
         g.div_(self.learners.k * self.comm.size)
         g.add_(central.params, alpha=cfg.weight_decay)
         central.u.mul_(cfg.momentum).add_(g)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
+
+POLL_MIN_S = 5e-5
+POLL_MAX_S = 1e-3
 
 
 class Communicator(ABC):
@@ -81,3 +85,43 @@ class Communicator(ABC):
         from mpi4py import MPI
 
         return MPI
+
+
+def wait_sleeping(requests: list) -> None:
+    """Complete MPI requests, sleeping between tests instead of spinning: MPI's blocking waits spin and would take
+    a core from the threads still computing."""
+    poll = POLL_MIN_S
+    while not Communicator.mpi().Request.Testall(requests):
+        time.sleep(poll)
+        poll = min(2 * poll, POLL_MAX_S)
+
+
+class StopAgreement:
+    """Agree across ranks whether any rank received a stop signal, without a blocking collective per step.
+
+    `poll()` posts a non-blocking allreduce of this rank's flag on a duplicated communicator and returns the
+    outcome of the one posted `lag` calls earlier, so every rank stops at the same step while ranks may run
+    up to `lag` steps apart (eager-SGD's do)."""
+
+    def __init__(self, mpi_comm, lag: int, requested):
+        assert lag >= 0
+        self.channel = mpi_comm.Dup()
+        self.lag = lag
+        self.requested = requested
+        self.pending: list[tuple[np.ndarray, object]] = []
+
+    def poll(self) -> bool:
+        """Vote, and return whether the vote of `lag` calls ago found a stop request on any rank (collective)."""
+        flag = np.array([float(self.requested())])
+        self.pending.append((flag, self.channel.Iallreduce(Communicator.mpi().IN_PLACE, flag)))
+        if len(self.pending) <= self.lag:
+            return False
+        flag, request = self.pending.pop(0)
+        wait_sleeping([request])
+        return bool(flag[0])
+
+    def close(self) -> None:
+        """Complete the votes in flight and free the communicator (collective: every rank voted as often)."""
+        wait_sleeping([request for _, request in self.pending])
+        self.pending = []
+        self.channel.Free()

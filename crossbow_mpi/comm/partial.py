@@ -26,19 +26,16 @@ from __future__ import annotations
 import functools
 import random
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from crossbow_mpi.comm.base import Communicator
+from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, wait_sleeping
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import EAGER_MODES, ConfigError
 
 ACTIVATE_TAG = 0x0EA6
-POLL_MIN_S = 5e-5
-POLL_MAX_S = 1e-3
 
 
 @dataclass
@@ -187,14 +184,14 @@ class PartialAllreduce(Communicator):
                 taken, self.pending = self.pending, []
             staleness = np.bincount([number - arrived for arrived, _ in taken], minlength=self.sync_every)
             assert len(staleness) == self.sync_every, "a contribution waited past a synchronous round"
-            _wait([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])  # every rank joins
+            wait_sleeping([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])  # every rank joins
             total = None
             if staleness.any():
                 contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
                 total = functools.reduce(torch.add, contributions)
                 self.transport.allreduce_sum_(total)
             if kind == "eager":
-                _wait(recvs + sends)
+                wait_sleeping(recvs + sends)
                 assert (inbox == number).all(), "activation messages out of step"
                 recvs = self._listen(inbox)
             with self.cond:
@@ -226,10 +223,3 @@ class PartialAllreduce(Communicator):
                 return "eager"
             poll = min(2 * poll, POLL_MAX_S)
 
-
-def _wait(requests: list) -> None:
-    """Complete MPI requests, sleeping between tests instead of spinning."""
-    poll = POLL_MIN_S
-    while not Communicator.mpi().Request.Testall(requests):
-        time.sleep(poll)
-        poll = min(2 * poll, POLL_MAX_S)
