@@ -1,8 +1,8 @@
-"""Learner engines: how the k learners of a rank compute their gradients.
+"""Learner engines: how the k learners of a rank compute their gradients and apply the algorithm's step.
 
 An engine fills `learners.grads[j]` with the gradient of learner j's loss on its own batch and returns the
-losses. Algorithms only see the filled matrices, so engines (sequential, threads, CUDA streams) can be
-swapped without touching them.
+losses, then `update` applies the algorithm's step. Algorithms only see the filled matrices, so engines
+(sequential, threads, CUDA streams) can be swapped without touching them.
 
 On a CPU every engine gives each learner the same number of intra-op threads, the rank's threads divided
 by k, so that results (which depend on how kernels split their reductions) do not depend on the engine.
@@ -15,10 +15,11 @@ from typing import Callable
 
 import torch
 
+from crossbow_mpi.algorithms import Algorithm
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.data.prefetch import Batch
 from crossbow_mpi.learners import Learners
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -45,6 +46,20 @@ class LearnerEngine:
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def update(self, algorithm: Algorithm, lr: float) -> None:
+        """Apply the algorithm's step once every learner's gradient is computed."""
+        algorithm.step(lr)
+
+    def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
+        """Queue `compute` (a one-element tensor) after the latest sync without the host waiting for it; return a
+        function that waits for its value."""
+        value = float(compute())
+        return lambda: value
+
+    def synchronize(self) -> None:
+        """Order the current stream's next work after all queued learner and sync work (before the trainer reads
+        or changes the central model or the learners)."""
 
     def learner_step(self, learners: Learners, j: int, batch: Batch) -> torch.Tensor:
         """Run learner j's forward and backward pass on its batch; return its loss."""
@@ -99,10 +114,15 @@ class ThreadEngine(LearnerEngine):
 
 
 class StreamEngine(LearnerEngine):
-    """Run each learner on its own CUDA stream, so that the learners' kernels overlap on the GPU.
+    """Run each learner on its own CUDA stream and the algorithm's sync on a sync stream, ordered by events.
 
-    Each stream first waits for the work already queued on the current stream (the last sync, the batch
-    copies); the current stream then waits for every learner before the algorithm's update.
+    Learner j's stream waits for the current stream (where the trainer resizes, resets and evaluates, and which
+    waits for the prefetcher's copy of the batches); when the algorithm's learners read the central model in their
+    forward pass (S-SGD, eager) it also waits for the last sync. Then forward and backward; then it waits for
+    the last sync and runs the learner's own part of the step (`prepare`). The sync stream waits for every
+    learner's `prepare` and for the current stream, then syncs. So with SMA a learner starts its next forward
+    pass as soon as its own correction is applied, and the sync overlaps it. The current stream waits for the
+    learners' losses each step and for everything at `synchronize`.
     """
 
     name = "streams"
@@ -110,6 +130,9 @@ class StreamEngine(LearnerEngine):
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
         super().__init__(loss_fn, threads, precision)
         self.streams: list[torch.cuda.Stream] = []
+        self.sync_stream = torch.cuda.Stream()
+        self.last_sync: torch.cuda.Event | None = None
+        self.overlaps_sync = False
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         current = torch.cuda.current_stream()
@@ -120,11 +143,41 @@ class StreamEngine(LearnerEngine):
             stream.wait_stream(current)
             for tensor in batch:
                 tensor.record_stream(stream)
+            if not self.overlaps_sync:
+                self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
                 losses.append(self.learner_step(learners, j, batch))
-        for stream in self.streams[:learners.k]:
+        for stream, loss in zip(self.streams, losses):
             current.wait_stream(stream)
+            loss.record_stream(current)
         return losses
+
+    def update(self, algorithm: Algorithm, lr: float) -> None:
+        self.overlaps_sync = algorithm.overlaps_sync
+        for j, stream in enumerate(self.streams[:algorithm.learners.k]):
+            self._wait_for_sync(stream)
+            with torch.cuda.stream(stream):
+                algorithm.prepare(slice(j, j + 1), lr)
+            self.sync_stream.wait_stream(stream)
+        self.sync_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.sync_stream):
+            algorithm.sync(lr)
+            self.last_sync = self.sync_stream.record_event()
+
+    def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
+        with torch.cuda.stream(self.sync_stream):
+            host = compute().to("cpu", non_blocking=True)
+            done = self.sync_stream.record_event()
+        return lambda: (done.synchronize(), float(host))[1]
+
+    def synchronize(self) -> None:
+        current = torch.cuda.current_stream()
+        for stream in [*self.streams, self.sync_stream]:
+            current.wait_stream(stream)
+
+    def _wait_for_sync(self, stream: torch.cuda.Stream) -> None:
+        if self.last_sync is not None:
+            stream.wait_event(self.last_sync)
 
 
 ENGINES = {engine.name: engine for engine in (SequentialEngine, ThreadEngine, StreamEngine)}

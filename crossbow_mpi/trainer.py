@@ -18,6 +18,7 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import StopAgreement
 from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
@@ -111,6 +112,7 @@ class Trainer:
         algorithm = ALGORITHMS[cfg.algorithm](cfg, comm, central, learners)
         engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
         sampler = GlobalSampler(len(train_set), cfg.seed, comm.rank, comm.size)
+        prefetcher = BatchPrefetcher(train_set, sampler, self.device, layout.dtype)
         tuner = None
         if autotune:
             max_learners = min(cfg.max_learners, len(train_set) // (comm.size * cfg.batch_size))
@@ -133,7 +135,14 @@ class Trainer:
         for line in notes:
             progress.note(line)
 
+        def collect_losses() -> None:
+            state["loss_sum"] += float(loss_total)
+            loss_total.zero_()
+
         def evaluate() -> dict:
+            engine.synchronize()
+            divergence.check()
+            collect_losses()
             accuracy, loss = evaluate_model(central.module, test_set, comm, loss_fn)
             train_loss = comm.allreduce_sum_numbers([state["loss_sum"], state["loss_count"]])
             record = {"time_s": elapsed(), "epoch": epoch_progress(), "iteration": state["iteration"],
@@ -156,7 +165,10 @@ class Trainer:
             return state["elapsed_s"] + time.perf_counter() - started
 
         def save() -> None:
+            engine.synchronize()
             algorithm.drain()
+            divergence.check()
+            collect_losses()
             state["elapsed_s"] = elapsed()
             if tuner is not None:
                 state["autotune"] = tuner.state()
@@ -164,6 +176,9 @@ class Trainer:
 
         watchdog = Watchdog(comm.mpi_comm, cfg.collective_timeout) if cfg.collective_timeout else None
         stopping = StopAgreement(comm.mpi_comm, STOP_LAG, runtime.stop_requested)
+        divergence = DivergenceCheck(comm)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        """Training losses summed on the device since the last evaluation, so that no step waits to read one."""
         try:
             started = time.perf_counter()
             window_samples, window_time = 0, 0.0
@@ -175,27 +190,27 @@ class Trainer:
                     continue
                 lr, drops = learning_rate(cfg, epoch_progress())
                 if drops != state["drops"]:
+                    engine.synchronize()
                     algorithm.on_lr_drop()
                     state["drops"] = drops
                     if tuner is not None and cfg.autotune_on_lr_drop:
                         tuner.restart()
                         learners.resize(1, central.z)
                 step_started = time.perf_counter()
-                indices = sampler.indices(state["epoch"], state["offset"], learners.k, cfg.batch_size)
-                batches = [_to_device(fetch_batch(train_set, row), self.device, layout.dtype) for row in indices]
+                batches = prefetcher.batches(state["epoch"], state["offset"], learners.k, cfg.batch_size)
                 losses = engine.compute_gradients(learners, batches)
+                step_samples = sampler.step_size(learners.k, cfg.batch_size)
+                prefetcher.prefetch(state["epoch"], state["offset"] + step_samples, learners.k, cfg.batch_size)
                 if self.imbalance is not None:
                     time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
                                                     time.perf_counter() - step_started))
-                algorithm.step(lr)
+                engine.update(algorithm, lr)
+                divergence.queue(state["iteration"] + 1, engine.after_sync(central.z.sum), losses)
                 stop = stopping.poll()
-                if not math.isfinite(float(central.z.sum())):
-                    raise DivergenceError(_divergence_report(comm, losses, state["iteration"] + 1))
-                step_samples = sampler.step_size(learners.k, cfg.batch_size)
                 state["offset"] += step_samples
                 state["samples"] += step_samples
                 state["iteration"] += 1
-                state["loss_sum"] += float(losses.sum())
+                loss_total += losses.sum()
                 state["loss_count"] += learners.k
                 step_time = time.perf_counter() - step_started
                 window_samples += step_samples
@@ -205,6 +220,7 @@ class Trainer:
                     watchdog.progress(state["iteration"])
                 decision = tuner.observe(step_samples // comm.size, step_time, learners.k) if tuner else None
                 if decision is not None:
+                    engine.synchronize()
                     learners.resize(decision["learners"], central.z)
                     metrics.write({**decision, "iteration": state["iteration"], "time_s": elapsed()})
                     progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
@@ -217,7 +233,9 @@ class Trainer:
                     save()
                 if stop:
                     break
+            engine.synchronize()
             algorithm.drain()
+            divergence.check()
             stopping.close()
             progress.close()
             engine.close()
@@ -244,6 +262,28 @@ class Trainer:
                 watchdog.close()
 
 
+class DivergenceCheck:
+    """Check the central model for NaN and Inf one step late, so that the host never waits for the step it has
+    just queued on a GPU (collective: z is the same on every rank, so every rank raises at the same check)."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.pending: tuple[int, Callable[[], float], torch.Tensor] | None = None
+
+    def queue(self, iteration: int, read_z_sum: Callable[[], float], losses: torch.Tensor) -> None:
+        """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
+        self.check()
+        self.pending = (iteration, read_z_sum, losses)
+
+    def check(self) -> None:
+        """Raise DivergenceError if the held step's central model is not finite."""
+        if self.pending is None:
+            return
+        (iteration, read_z_sum, losses), self.pending = self.pending, None
+        if not math.isfinite(read_z_sum()):
+            raise DivergenceError(_divergence_report(self.comm, losses, iteration))
+
+
 def _divergence_report(comm: Communicator, losses: torch.Tensor, iteration: int) -> str:
     """Name the learners whose loss was not finite at this iteration (collective)."""
     bad = comm.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
@@ -258,16 +298,6 @@ def _eval_due(cfg: Config, state: dict, sampler: GlobalSampler, learners: int) -
     return not sampler.fits(state["offset"], learners, cfg.batch_size)
 
 
-def _to_device(batch, device: torch.device, dtype: torch.dtype):
-    """Move a batch to the device: from pinned host memory, without blocking, on a GPU."""
-    inputs, targets = batch
-    if inputs.is_floating_point():
-        inputs = inputs.to(dtype=dtype)
-    if device.type == "cuda":
-        inputs, targets = inputs.pin_memory(), targets.pin_memory()
-    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-
-
 @torch.no_grad()
 def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> tuple[float, float]:
     """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
@@ -279,7 +309,7 @@ def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> t
     correct, loss_sum = 0.0, 0.0
     for first in range(start, stop, EVAL_BATCH):
         indices = torch.arange(first, min(first + EVAL_BATCH, stop))
-        inputs, targets = _to_device(fetch_batch(dataset, indices), device, dtype)
+        inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
         outputs = module(inputs)
         loss_sum += float(loss_fn(outputs, targets)) * len(indices)
         correct += float((outputs.argmax(1) == targets).sum())

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from crossbow_mpi import Config, Trainer
+from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
+from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
+from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.learners import CentralModel, Learners
 from reference import relative_error, sma_reference
 
 
@@ -31,6 +36,48 @@ def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp):
                      epochs=2, eval_every=0, target_accuracy=0, seed=4, lr=0.05)
         results[engine] = Trainer(cfg, comm).fit(convnet, train, test)
     assert torch.equal(results["sequential"].central, results["threads"].central)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
+def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once(comm, algorithm):
+    """What the stream engine runs (each learner's `prepare` on its stream, then `sync`) gives `step`'s bits."""
+    states = []
+    for by_learner in (False, True):
+        torch.manual_seed(0)
+        module = mlp_bn_float64()
+        layout = FlatLayout(module)
+        central = CentralModel(module, layout)
+        learners = Learners(mlp_bn_float64, layout, central, 3)
+        cfg = Config(algorithm=algorithm, learners=3, weight_decay=0.01)
+        step = ALGORITHMS[algorithm](cfg, comm, central, learners)
+        for iteration in range(3):
+            generator = torch.Generator().manual_seed(comm.rank * 100 + iteration)
+            learners.grads.copy_(torch.randn(learners.grads.shape, generator=generator, dtype=torch.float64))
+            learners.buffers.add_(torch.rand(learners.buffers.shape, generator=generator, dtype=torch.float64))
+            if by_learner:
+                for j in range(learners.k):
+                    step.prepare(slice(j, j + 1), 0.1)
+                step.sync(0.1)
+            else:
+                step.step(0.1)
+        states.append([central.z, central.u, learners.weights, learners.momentum])
+    for at_once, by_learner in zip(*states):
+        assert torch.equal(at_once, by_learner)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_prefetcher_gives_each_learner_its_sampler_batch(comm):
+    data = synthetic_dataset((1, 6, 6), 10, 96 * comm.size, seed=0)
+    sampler = GlobalSampler(len(data), 5, comm.rank, comm.size)
+    prefetcher = BatchPrefetcher(data, sampler, torch.device("cpu"), torch.float64)
+    prefetcher.prefetch(1, 0, 3, 4)
+    batches = prefetcher.batches(1, 0, 3, 4)
+    assert len(batches) == 3
+    for batch, row in zip(batches, sampler.indices(1, 0, 3, 4)):
+        expected = to_device(fetch_batch(data, row), torch.device("cpu"), torch.float64)
+        assert batch[0].dtype == torch.float64
+        assert all(torch.equal(a, b) for a, b in zip(batch, expected))
 
 
 @pytest.mark.mpi(min_size=1)

@@ -34,20 +34,20 @@ class EagerSGD(SynchronousSGD):
         self.lr = config.lr
         """The latest step's learning rate; a drained round is applied with it."""
 
-    def step(self, lr: float) -> None:
+    def sync(self, lr: float) -> None:
         self.lr = lr
-        super().step(lr)
+        super().sync(lr)
 
-    def allreduce_with_buffers(self, rows: torch.Tensor) -> torch.Tensor:
+    def allreduce_staged(self) -> torch.Tensor:
         """Sync as S-SGD does, over the partial allreduce; z's buffers become the mean over the learners whose
         gradients the round carried (the message divides them by every learner of every rank)."""
-        gradient = super().allreduce_with_buffers(rows)
+        gradient = super().allreduce_staged()
         self.central.buffers.mul_(self.comm.size / self.comm.last.contributions)
         return gradient
 
     def drain(self) -> None:
         if self.comm.drain():
-            super().step(self.lr)
+            super().sync(self.lr)
 
     def statistics(self) -> dict:
         return self.comm.statistics()

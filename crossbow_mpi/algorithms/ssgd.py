@@ -12,9 +12,12 @@ from crossbow_mpi.algorithms.base import Algorithm
 class SynchronousSGD(Algorithm):
     name = "ssgd"
 
-    def step(self, lr: float) -> None:
+    def prepare(self, rows: slice, lr: float) -> None:
+        self.staged_rows(rows).copy_(self.learners.grads[rows])
+
+    def sync(self, lr: float) -> None:
         cfg, central = self.config, self.central
-        g = self.allreduce_with_buffers(self.learners.grads)
+        g = self.allreduce_staged()
         g.div_(self.learners.k * self.comm.size)
         g.add_(central.params, alpha=cfg.weight_decay)
         central.u.mul_(cfg.momentum).add_(g)

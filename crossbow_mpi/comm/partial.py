@@ -93,7 +93,7 @@ class PartialAllreduce(Communicator):
         by the round's sum. After `drain` returned True, return the drained round instead, adding nothing."""
         if self.drained is None:
             synchronous = self.thread is None or self.eager_since_sync == self.sync_every - 1
-            self.last = self._arrive(tensor.clone(), "sync" if synchronous else "eager")
+            self.last = self._arrive(_settled(tensor.clone()), "sync" if synchronous else "eager")
         else:
             self.last, self.drained = self.drained, None
         return tensor.copy_(self.last.total)
@@ -189,7 +189,7 @@ class PartialAllreduce(Communicator):
             if staleness.any():
                 contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
                 total = functools.reduce(torch.add, contributions)
-                self.transport.allreduce_sum_(total)
+                _settled(self.transport.allreduce_sum_(total))
             if kind == "eager":
                 wait_sleeping(recvs + sends)
                 assert (inbox == number).all(), "activation messages out of step"
@@ -223,3 +223,10 @@ class PartialAllreduce(Communicator):
                 return "eager"
             poll = min(2 * poll, POLL_MAX_S)
 
+
+def _settled(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait until the current CUDA stream has written a device tensor, so that another thread (on its own
+    stream) may read it; CPU tensors are returned as they are."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+    return tensor

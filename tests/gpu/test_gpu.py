@@ -13,6 +13,8 @@ from torch import nn
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
+from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.tuner import AutoTuner, Policy
 from reference import relative_error, sma_reference
 
@@ -102,3 +104,30 @@ def test_tuner_caps_learners_by_free_gpu_memory(comm):
     assert memory.cap == total and abs((memory.cap - memory.used) - free) < 256 * 2**20
     huge = AutoTuner(Policy(0.1, 8), 5, comm, device, 0, 1, static_bytes_per_learner=float(total))
     assert not huge.read_memory().room_for_one_more
+
+
+@pytest.mark.mpi(min_size=1)
+def test_prefetched_batches_equal_fetched_ones_and_a_stale_prefetch_is_fetched_again(comm):
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    data = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    sampler = GlobalSampler(len(data), 5, comm.rank, comm.size)
+    prefetcher = BatchPrefetcher(data, sampler, device, torch.float32)
+    for ahead, wanted in (((0, 16, 2, 4), (0, 16, 2, 4)), ((0, 16, 2, 4), (0, 16, 1, 4))):
+        prefetcher.prefetch(*ahead)
+        batches = prefetcher.batches(*wanted)
+        for batch, row in zip(batches, sampler.indices(*wanted), strict=True):
+            expected = to_device(fetch_batch(data, row), device, torch.float32)
+            assert all(torch.equal(a, b) for a, b in zip(batch, expected))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["ssgd", "eager"])
+def test_ssgd_and_eager_on_streams_agree_with_sequential_on_gpu(comm, shared_tmp, algorithm):
+    train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
+    results = {}
+    for engine in ("sequential", "streams"):
+        cfg = Config(run_dir=str(shared_tmp / f"{algorithm}-{engine}"), device="cuda", engine=engine, comm="mpi",
+                     algorithm=algorithm, eager_sync_every=1, learners=2, batch_size=8, epochs=1, eval_every=0,
+                     target_accuracy=0, seed=3, lr=0.05)
+        results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
+    assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4

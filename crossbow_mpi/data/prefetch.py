@@ -1,0 +1,65 @@
+"""Batches on the device: fetched from the sampler's order, and on a GPU copied one step ahead.
+
+On a GPU, `prefetch` copies the next step's batches from pinned host memory on a copy stream while the
+learners compute the current step; `batches` hands them out once the current stream waits for the copy. A
+prefetched step whose position no longer matches (a new epoch, another number of learners) is fetched again.
+On a CPU there is nothing to overlap: `batches` fetches, `prefetch` does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> Batch:
+    """Move a batch to the device (floating inputs as `dtype`): from pinned host memory, without blocking, on a
+    GPU."""
+    inputs, targets = batch
+    if inputs.is_floating_point():
+        inputs = inputs.to(dtype=dtype)
+    if device.type == "cuda":
+        inputs, targets = inputs.pin_memory(), targets.pin_memory()
+    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+class BatchPrefetcher:
+    """Give this rank's learners their batches for a global step, prefetched one step ahead on a GPU."""
+
+    def __init__(self, dataset, sampler: GlobalSampler, device: torch.device, dtype: torch.dtype):
+        self.dataset = dataset
+        self.sampler = sampler
+        self.device = device
+        self.dtype = dtype
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead: tuple[tuple, list[Batch], torch.cuda.Event] | None = None
+
+    def batches(self, epoch: int, offset: int, learners: int, batch_size: int) -> list[Batch]:
+        """Return the k batches of the step at `offset` of `epoch`, ready for work on the current stream."""
+        position = (epoch, offset, learners, batch_size)
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[0] != position:
+            return self._fetch(position)
+        _, batches, copied = ahead
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(copied)
+        for batch in batches:
+            for tensor in batch:
+                tensor.record_stream(current)
+        return batches
+
+    def prefetch(self, epoch: int, offset: int, learners: int, batch_size: int) -> None:
+        """Start copying the batches of the step at `offset` of `epoch`, if it fits in the epoch (GPU only)."""
+        if self.stream is None or not self.sampler.fits(offset, learners, batch_size):
+            return
+        position = (epoch, offset, learners, batch_size)
+        with torch.cuda.stream(self.stream):
+            batches = self._fetch(position)
+        self.ahead = (position, batches, self.stream.record_event())
+
+    def _fetch(self, position: tuple) -> list[Batch]:
+        indices = self.sampler.indices(*position)
+        return [to_device(fetch_batch(self.dataset, row), self.device, self.dtype) for row in indices]
