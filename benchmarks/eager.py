@@ -2,9 +2,9 @@
 
 Two injected imbalances: `random` as in the paper (every step one or two ranks, drawn with the seed, sleep a
 fixed time) and one slow rank (it takes FACTOR times its own compute), and `none` as the control. Under each,
-S-SGD, eager-SGD solo and eager-SGD majority run with the same seeds, interleaved repetition by repetition; the
-table gives medians and the speedup over S-SGD under the same imbalance (S-SGD's time to accuracy / the
-algorithm's).
+S-SGD, eager-SGD solo, eager-SGD majority and solo at half the learning rate run with the same seeds,
+interleaved repetition by repetition; the table gives medians and the speedup over S-SGD under the same
+imbalance (S-SGD's time to accuracy / the algorithm's).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from benchmarks import harness
 RANKS = 4
 ALGORITHMS = {"ssgd": {"algorithm": "ssgd"},
               "eager solo": {"algorithm": "eager", "eager_mode": "solo"},
-              "eager majority": {"algorithm": "eager", "eager_mode": "majority"}}
+              "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
+              "eager solo, lr / 2": {"algorithm": "eager", "eager_mode": "solo", "lr_factor": 0.5}}
+"""Variants; `lr_factor` scales the budget's learning rate (solo's stale gradients need a smaller one)."""
 
 
 @dataclass
@@ -37,6 +39,12 @@ QUICK = Budget("mlp", "synthetic-mnist", 0.15, 600, epochs=0.02, batch_size=16, 
 COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "epochs", "samples_per_s", "speedup"]
 
 
+def with_lr(flags: dict, lr: float) -> dict:
+    """Return a variant's training flags, its `lr_factor` applied to lr."""
+    flags = dict(flags)
+    return {**flags, "lr": lr * flags.pop("lr_factor", 1.0)}
+
+
 def runner(flags: dict, budget: Budget):
     return lambda rep: harness.train("crossbow", RANKS, {**flags, "seed": rep + 1}, budget.timeout_s)
 
@@ -46,7 +54,7 @@ def measure(options: harness.Options) -> harness.Report:
     common = {"model": budget.model, "dataset": budget.dataset, "target_accuracy": budget.target_accuracy,
               "eval_every": budget.eval_every, "epochs": budget.epochs, "batch_size": budget.batch_size,
               "lr": budget.lr, "learners": 1, "threads": 1}
-    variants = {f"{imbalance} / {name}": {**common, **flags, "inject_imbalance": spec}
+    variants = {f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
                 for imbalance, spec in budget.imbalances.items() for name, flags in ALGORITHMS.items()}
     harness.log(f"eager: {len(variants)} variants × {options.reps} on {RANKS} ranks")
     runs = harness.interleave({variant: runner(flags, budget) for variant, flags in variants.items()}, options.reps)

@@ -197,29 +197,41 @@ def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
         return json.loads(result_path.read_text())
 
 
-def train(trainer: str, ranks: int, flags: dict, timeout: float) -> dict:
+def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
-    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
-    with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
-        args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
-        for key, value in flags.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
-        try:
-            mpirun(ranks, args, timeout, env)
-        except BenchmarkError as err:
-            from crossbow_mpi.train import EXIT_DIVERGED
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s.
 
-            if err.returncode != EXIT_DIVERGED:
-                raise
-            return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    A job that crashes (not one that diverges) is run again, up to `attempts` times in all, so that one
+    transient crash (gloo has aborted at exit) does not cost a whole benchmark; the result counts the crashes
+    and keeps the end of each one's output."""
+    from crossbow_mpi.train import EXIT_DIVERGED
+
+    crashes = []
+    while True:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
+        with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
+            args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
+            for key, value in flags.items():
+                args += [f"--{key.replace('_', '-')}", str(value)]
+            try:
+                mpirun(ranks, args, timeout, env)
+            except BenchmarkError as err:
+                if err.returncode == EXIT_DIVERGED:
+                    return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
+                crashes.append(str(err)[-500:])
+                if len(crashes) >= attempts:
+                    raise
+                log(f"  crashed, running it again: {crashes[-1]}")
+                continue
+            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        break
     summary = records[-1]
     evaluations = [record for record in records if "test_accuracy" in record]
     return {"reached": summary["reached"], "tta_s": summary["time_to_accuracy_s"],
             "epochs": summary["epochs"] if summary["reached"] else None, "epochs_run": summary["epochs"],
             "final_accuracy": summary["final_test_accuracy"], "time_limited": summary.get("time_limited", False),
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations)}
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
+            **({"crashes": crashes} if crashes else {})}
 
 
 def train_row(runs: list[dict], variant: str) -> dict:

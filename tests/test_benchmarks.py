@@ -38,3 +38,43 @@ def test_quick_mode_writes_results(name, tmp_path):
                     "--output", str(tmp_path / "RESULTS.md")], cwd=REPO, timeout=60, check=True)
     rendered = (tmp_path / "RESULTS.md").read_text()
     assert f"## {name}" in rendered and "| " + " | ".join(result["columns"]) + " |" in rendered
+
+
+def fake_jobs(monkeypatch, outcomes: list[int]):
+    """Make harness.mpirun exit with each of `outcomes` in turn, writing a run's metrics when it exits 0."""
+    from benchmarks import harness
+
+    calls = []
+
+    def mpirun(ranks, args, timeout, env=None):
+        calls.append(args)
+        code = outcomes[len(calls) - 1]
+        if code:
+            raise harness.BenchmarkError(f"exited {code}: terminate called", code)
+        run_dir = args[args.index("--run-dir") + 1]
+        records = [{"test_accuracy": 0.99, "samples_per_s": 100.0},
+                   {"event": "summary", "reached": True, "time_to_accuracy_s": 5.0, "epochs": 1.0,
+                    "final_test_accuracy": 0.99}]
+        with open(f"{run_dir}/metrics.jsonl", "w") as fh:
+            fh.writelines(json.dumps(record) + "\n" for record in records)
+        return ""
+
+    monkeypatch.setattr(harness, "mpirun", mpirun)
+    return harness, calls
+
+
+def test_a_crashed_training_job_runs_again_and_the_crash_is_kept(monkeypatch):
+    harness, calls = fake_jobs(monkeypatch, [134, 0])
+    result = harness.train("ddp", 2, {"seed": 1}, timeout=10)
+    assert len(calls) == 2 and result["reached"] and result["tta_s"] == 5.0
+    assert len(result["crashes"]) == 1 and "terminate called" in result["crashes"][0]
+
+
+def test_a_job_that_crashes_every_time_fails_the_benchmark_and_divergence_is_a_result(monkeypatch):
+    harness, calls = fake_jobs(monkeypatch, [134, 134])
+    with pytest.raises(harness.BenchmarkError, match="terminate called"):
+        harness.train("ddp", 2, {"seed": 1}, timeout=10)
+    from crossbow_mpi.train import EXIT_DIVERGED
+
+    harness, calls = fake_jobs(monkeypatch, [EXIT_DIVERGED])
+    assert harness.train("crossbow", 2, {"seed": 1}, timeout=10)["diverged"] and len(calls) == 1
