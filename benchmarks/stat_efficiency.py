@@ -25,7 +25,7 @@ class Budget(harness.Budget):
     aggregates: tuple[int, ...]
 
 
-FULL = Budget("lenet", "mnist", 0.99, 20000, epochs=3, aggregates=(16, 64, 256, 1024), timeout_s=900)
+FULL = Budget("lenet", "mnist", 0.99, 20000, epochs=8, aggregates=(16, 64, 256, 1024), timeout_s=1200)
 QUICK = Budget("mlp", "synthetic-mnist", 0.15, 600, epochs=0.02, aggregates=(16, 64), timeout_s=120)
 
 COLUMNS = ["algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s",
