@@ -42,7 +42,8 @@ COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "epochs", "samples_per_
 def with_lr(flags: dict, lr: float) -> dict:
     """Return a variant's training flags, its `lr_factor` applied to lr."""
     flags = dict(flags)
-    return {**flags, "lr": lr * flags.pop("lr_factor", 1.0)}
+    factor = flags.pop("lr_factor", 1.0)
+    return {**flags, "lr": lr * factor}
 
 
 def runner(flags: dict, budget: Budget):
