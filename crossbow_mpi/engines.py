@@ -154,12 +154,15 @@ class StreamEngine(LearnerEngine):
 
     def update(self, algorithm: Algorithm, lr: float) -> None:
         self.overlaps_sync = algorithm.overlaps_sync
+        current = torch.cuda.current_stream()
+        algorithm.allocate_message()
         for j, stream in enumerate(self.streams[:algorithm.learners.k]):
+            stream.wait_stream(current)
             self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
                 algorithm.prepare(slice(j, j + 1), lr)
             self.sync_stream.wait_stream(stream)
-        self.sync_stream.wait_stream(torch.cuda.current_stream())
+        self.sync_stream.wait_stream(current)
         with torch.cuda.stream(self.sync_stream):
             algorithm.sync(lr)
             self.last_sync = self.sync_stream.record_event()

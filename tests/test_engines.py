@@ -56,6 +56,7 @@ def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once
             learners.grads.copy_(torch.randn(learners.grads.shape, generator=generator, dtype=torch.float64))
             learners.buffers.add_(torch.rand(learners.buffers.shape, generator=generator, dtype=torch.float64))
             if by_learner:
+                step.allocate_message()
                 for j in range(learners.k):
                     step.prepare(slice(j, j + 1), 0.1)
                 step.sync(0.1)

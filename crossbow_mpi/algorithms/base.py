@@ -36,8 +36,17 @@ class Algorithm:
 
     def step(self, lr: float) -> None:
         """Apply one iteration's update and synchronisation."""
+        self.allocate_message()
         self.prepare(slice(None), lr)
         self.sync(lr)
+
+    def allocate_message(self) -> None:
+        """(Re)allocate the staged rows and the message for the current number of learners, before `prepare`
+        (on a GPU: on the stream that every learner's and the sync stream wait for)."""
+        weights = self.learners.weights
+        if self.staged.shape != weights.shape:
+            self.staged = weights.new_empty(weights.shape)
+            self.message = weights.new_empty(weights.shape[1])
 
     def prepare(self, rows: slice, lr: float) -> None:
         """Run the learners' own part of the step for the learners in `rows`, staging their sync message rows."""
@@ -60,9 +69,7 @@ class Algorithm:
     def staged_rows(self, rows: slice) -> torch.Tensor:
         """Return the staged rows' first part (one column per parameter), staging the learners' buffers beside it."""
         learners = self.learners
-        if self.staged.shape != learners.weights.shape:
-            self.staged = learners.weights.new_empty(learners.weights.shape)
-            self.message = learners.weights.new_empty(learners.weights.shape[1])
+        assert self.staged.shape == learners.weights.shape, "allocate_message() before prepare()"
         num_params = learners.layout.num_params
         self.staged[rows, num_params:] = learners.buffers[rows]
         return self.staged[rows, :num_params]
