@@ -135,14 +135,15 @@ class Trainer:
         for line in notes:
             progress.note(line)
 
-        def collect_losses() -> None:
+        def settle() -> None:
+            """Order what follows after the queued device work, check the last step's z, and collect the losses."""
+            engine.synchronize()
+            divergence.check()
             state["loss_sum"] += float(loss_total)
             loss_total.zero_()
 
         def evaluate() -> dict:
-            engine.synchronize()
-            divergence.check()
-            collect_losses()
+            settle()
             accuracy, loss = evaluate_model(central.module, test_set, comm, loss_fn)
             train_loss = comm.allreduce_sum_numbers([state["loss_sum"], state["loss_count"]])
             record = {"time_s": elapsed(), "epoch": epoch_progress(), "iteration": state["iteration"],
@@ -165,10 +166,8 @@ class Trainer:
             return state["elapsed_s"] + time.perf_counter() - started
 
         def save() -> None:
-            engine.synchronize()
+            settle()
             algorithm.drain()
-            divergence.check()
-            collect_losses()
             state["elapsed_s"] = elapsed()
             if tuner is not None:
                 state["autotune"] = tuner.state()
@@ -233,9 +232,8 @@ class Trainer:
                     save()
                 if stop:
                     break
-            engine.synchronize()
+            settle()
             algorithm.drain()
-            divergence.check()
             stopping.close()
             progress.close()
             engine.close()
