@@ -46,10 +46,6 @@ def with_lr(flags: dict, lr: float) -> dict:
     return {**flags, "lr": lr * factor}
 
 
-def runner(flags: dict, budget: Budget):
-    return lambda rep: harness.train("crossbow", RANKS, {**flags, "seed": rep + 1}, budget.timeout_s)
-
-
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     common = {"model": budget.model, "dataset": budget.dataset, "target_accuracy": budget.target_accuracy,
@@ -58,7 +54,8 @@ def measure(options: harness.Options) -> harness.Report:
     variants = {f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
                 for imbalance, spec in budget.imbalances.items() for name, flags in ALGORITHMS.items()}
     harness.log(f"eager: {len(variants)} variants × {options.reps} on {RANKS} ranks")
-    runs = harness.interleave({variant: runner(flags, budget) for variant, flags in variants.items()}, options.reps)
+    runs = harness.interleave({variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s)
+                               for variant, flags in variants.items()}, options.reps)
     rows = []
     for imbalance in budget.imbalances:
         reference = harness.train_row(runs, f"{imbalance} / ssgd")["tta_s"]

@@ -208,23 +208,16 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
 
     crashes = []
     while True:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
-        with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
-            args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
-            for key, value in flags.items():
-                args += [f"--{key.replace('_', '-')}", str(value)]
-            try:
-                mpirun(ranks, args, timeout, env)
-            except BenchmarkError as err:
-                if err.returncode == EXIT_DIVERGED:
-                    return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
-                crashes.append(str(err)[-500:])
-                if len(crashes) >= attempts:
-                    raise
-                log(f"  crashed, running it again: {crashes[-1]}")
-                continue
-            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        break
+        try:
+            records = _train_once(trainer, ranks, flags, timeout)
+            break
+        except BenchmarkError as err:
+            if err.returncode == EXIT_DIVERGED:
+                return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
+            crashes.append(str(err)[-500:])
+            if len(crashes) >= attempts:
+                raise
+            log(f"  crashed, running it again: {crashes[-1]}")
     summary = records[-1]
     evaluations = [record for record in records if "test_accuracy" in record]
     return {"reached": summary["reached"], "tta_s": summary["time_to_accuracy_s"],
@@ -232,6 +225,23 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
             "final_accuracy": summary["final_test_accuracy"], "time_limited": summary.get("time_limited", False),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
             **({"crashes": crashes} if crashes else {})}
+
+
+def _train_once(trainer: str, ranks: int, flags: dict, timeout: float) -> list[dict]:
+    """Run the training CLI once in a fresh run directory; return its metrics.jsonl records."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
+        args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
+        for key, value in flags.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        mpirun(ranks, args, timeout, env)
+        return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def seeded(trainer: str, ranks: int, flags: dict, timeout: float) -> Callable[[int], dict]:
+    """Return a run for `interleave`: `train` with `flags` and seed rep + 1, so that repetition r of every variant
+    uses the same seed."""
+    return lambda rep: train(trainer, ranks, {**flags, "seed": rep + 1}, timeout)
 
 
 def train_row(runs: list[dict], variant: str) -> dict:

@@ -77,9 +77,8 @@ def measure(options: harness.Options) -> harness.Report:
               "eval_every": budget.eval_every, "epochs": budget.epochs, "threads": 1}
     configs = {f"{name} aggregate={aggregate}": config
                for aggregate in budget.aggregates for name, config in points(aggregate).items()}
-    runs = harness.interleave({name: lambda rep, config=config: harness.train(
-        "crossbow", RANKS, {**common, **config, "seed": rep + 1}, budget.timeout_s)
-        for name, config in configs.items()}, options.reps)
+    runs = harness.interleave({name: harness.seeded("crossbow", RANKS, {**common, **config}, budget.timeout_s)
+                               for name, config in configs.items()}, options.reps)
     rows = [{"algorithm": config["algorithm"], "aggregate": RANKS * config["learners"] * config["batch_size"],
              "k": config["learners"], "b": config["batch_size"], "lr": config["lr"], "alpha": config.get("alpha"),
              **harness.train_row(runs, name)} for name, config in configs.items()]

@@ -36,9 +36,8 @@ def measure(options: harness.Options) -> harness.Report:
     flags = {"model": budget.model, "dataset": budget.dataset, "batch_size": BATCH, "lr": LR, "epochs": budget.epochs,
              "target_accuracy": 0, "eval_every": harness.NEVER, "threads": 1}
     systems = {"ddp": {}, "crossbow": {"algorithm": "ssgd", "learners": 1}}
-    runs = harness.interleave({system: lambda rep, system=system, extra=extra: harness.train(
-        system, RANKS, {**flags, **extra, "seed": rep + 1}, budget.timeout_s) for system, extra in systems.items()},
-        options.reps)
+    runs = harness.interleave({system: harness.seeded(system, RANKS, {**flags, **extra}, budget.timeout_s)
+                               for system, extra in systems.items()}, options.reps)
     reference = harness.median(harness.column(runs, "ddp", "samples_per_s"))
     rows = []
     for system in systems:

@@ -47,10 +47,6 @@ def common_flags(budget: Budget, epochs: float) -> dict:
             "eval_every": budget.eval_every, "epochs": epochs, "threads": 1}
 
 
-def runner(trainer: str, flags: dict, budget: Budget):
-    return lambda rep: harness.train(trainer, RANKS, {**flags, "seed": rep + 1}, budget.timeout_s)
-
-
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     grid = {f"ddp b={b} lr={lr_64 * b / 64:g}": {"batch_size": b, "lr": lr_64 * b / 64}
@@ -61,7 +57,8 @@ def measure(options: harness.Options) -> harness.Report:
     def grid_runner(flags: dict):
         def run(rep: int) -> dict:
             limit = {} if math.isinf(best_time[0]) else {"time_limit": best_time[0]}
-            result = runner("ddp", {**common_flags(budget, budget.grid_epochs), **flags, **limit}, budget)(rep)
+            result = harness.seeded("ddp", RANKS, {**common_flags(budget, budget.grid_epochs), **flags, **limit},
+                                    budget.timeout_s)(rep)
             best_time[0] = min(best_time[0], result["tta_s"] or math.inf)
             return result
         return run
@@ -77,7 +74,7 @@ def measure(options: harness.Options) -> harness.Report:
     variants |= {f"crossbow sma k={k}": ("crossbow", {"algorithm": "sma", "learners": k, **SMA}) for k in LEARNERS}
     variants["crossbow sma auto"] = ("crossbow", {"algorithm": "sma", "learners": "auto", **SMA})
     flags = {name: {**common_flags(budget, budget.epochs), **extra} for name, (_, extra) in variants.items()}
-    runs = harness.interleave({name: runner(trainer, flags[name], budget)
+    runs = harness.interleave({name: harness.seeded(trainer, RANKS, flags[name], budget.timeout_s)
                                for name, (trainer, _) in variants.items()}, options.reps)
 
     rows = [{"phase": "grid", "system": "ddp", "algorithm": "ssgd", "k": 1, "b": point["batch_size"],
