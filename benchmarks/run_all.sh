@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every benchmark in full mode, writing benchmarks/results/NAME.json, then render benchmarks/RESULTS.md from
-# them. Extra arguments go to every benchmark (e.g. --reps 5). On 2 cores this takes about 1 h 15 min: tta and
+# them. Extra arguments go to every benchmark (e.g. --reps 5). On 2 cores this takes about an hour: tta and
 # stat_efficiency train LeNet to 99 % on MNIST (one to two minutes per run) 24 and 8 times, eager trains to 97 %
 # 36 times. The learners sweep (11 min) and the soak (20 min) run on their own (python -m benchmarks.learners,
 # python -m benchmarks.soak).
