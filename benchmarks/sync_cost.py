@@ -44,6 +44,7 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.flat import FlatLayout
     from crossbow_mpi.learners import CentralModel, Learners
     from crossbow_mpi.models import build_model
+    from crossbow_mpi.state import HyperParams
 
     MPI = runtime.mpi()
     comm = MpiCommunicator(MPI.COMM_WORLD)
@@ -59,7 +60,7 @@ def worker(settings: dict) -> dict:
         central = CentralModel(module, layout)
         learners = Learners(model_fn, layout, central, LEARNERS)
         learners.grads.normal_(std=1e-3)
-        sma = SynchronousModelAveraging(Config(learners=LEARNERS), comm, central, learners)
+        sma = SynchronousModelAveraging(HyperParams.from_config(Config(learners=LEARNERS)), comm, central, learners)
         buffer = np.ones(layout.num_state, dtype=np.float32)
 
         def timed(call):

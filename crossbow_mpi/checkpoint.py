@@ -1,19 +1,24 @@
-"""HDF5 checkpoints: written by rank 0 from every rank's state, read by rank 0 and scattered on resume.
+"""HDF5 checkpoints of named parts: written by rank 0 from every rank's snapshot, read back on any number of ranks.
 
-Layout (format version 1):
-    attrs: format_version, complete, config (JSON), state (JSON), layout_signature, world_size, learners
+Layout (format version 2; every JSON value is a string attribute, so `h5dump` shows the whole file):
+    /                    attrs: format_version, complete, config (JSON), layout_signature, world_size
+    /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner (JSON)
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
-    /learners/weights    [P, k, num_state]     every learner of every rank
-    /learners/momentum   [P, k, num_params]
-    /rng/rank_<r>        uint8                 JSON of rank r's Python, NumPy and torch generator states
+    /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r)
+    /ranks/<r>/weights   [k_r, num_state]      rank r's learners
+    /ranks/<r>/momentum  [k_r, num_params]
+    /ranks/<r>/rng       uint8                 JSON of rank r's Python, NumPy and torch generator states
+
+Resuming on another number of ranks or learners reshards: rank r takes the part of rank r where it exists; a new
+rank takes rank 0's hyper-parameters, starts its learners from z and keeps the RNGs seeded from the seed and
+its rank. See `Run.load_state_dict` for the learners.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 from pathlib import Path
 
@@ -23,10 +28,10 @@ import torch
 
 from crossbow_mpi.comm import Communicator
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.learners import CentralModel, Learners
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
+ARRAYS = ("central/z", "central/u")
 
 
 class CheckpointError(RuntimeError):
@@ -37,41 +42,56 @@ def checkpoint_path(run_dir: str, iteration: int) -> Path:
     return Path(run_dir) / f"checkpoint-{iteration:09d}.h5"
 
 
-def save(comm: Communicator, run_dir: str, central: CentralModel, learners: Learners, state: dict,
-         config_json: str, keep: int) -> Path:
-    """Write a checkpoint of every rank's state (collective); keep the newest `keep` checkpoints."""
-    weights = _gather_rows(comm, learners.weights)
-    momentum = _gather_rows(comm, learners.momentum)
-    rng_states = comm.allgather_bytes(_rng_state())
-    path = checkpoint_path(run_dir, state["iteration"])
+def save(world: Communicator, run_dir: str, snapshot: dict, config_json: str, layout_signature: str,
+         keep: int) -> Path:
+    """Write every rank's snapshot (`Run.state_dict` plus the tuner's) as one checkpoint (collective); keep the
+    newest `keep` checkpoints. The ranks' training-loss windows are summed into rank 0's state."""
+    train = dict(snapshot["train"])
+    train["loss_sum"], train["loss_count"] = world.allreduce_sum_numbers([train["loss_sum"], train["loss_count"]])
+    train["loss_count"] = int(train["loss_count"])
+    learners = snapshot["learners"]
+    rank_parts = [json.dumps(snapshot["hyperparams"]).encode(), _bytes(learners["weights"]),
+                  _bytes(learners["momentum"]), json.dumps(snapshot["rng"]).encode()]
+    gathered = [world.gather_bytes(part) for part in rank_parts]
+    path = checkpoint_path(run_dir, train["iteration"])
     error = None
-    if comm.rank == 0:
+    if world.rank == 0:
         try:
-            _write(path, central, weights, momentum, rng_states, state, config_json, learners)
+            _write(path, snapshot, train, gathered, config_json, layout_signature)
             _prune(run_dir, keep)
         except OSError as err:
             error = f"cannot write checkpoint {path}: {err.strerror or err}"
-    error = comm.bcast_json(error)
+    error = world.bcast_json(error)
     if error:
         raise CheckpointError(error)
     return path
 
 
-def _write(path, central, weights, momentum, rng_states, state, config_json, learners) -> None:
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return np.ascontiguousarray(tensor.detach().cpu().numpy()).tobytes()
+
+
+def _write(path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]], config_json: str,
+           layout_signature: str) -> None:
+    central = snapshot["central"]
+    z, u = central["z"].cpu().numpy(), central["u"].cpu().numpy()
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["config"] = config_json
-        f.attrs["state"] = json.dumps(state)
-        f.attrs["layout_signature"] = learners.layout.signature
-        f.attrs["world_size"] = weights.shape[0]
-        f.attrs["learners"] = weights.shape[1]
-        f.create_dataset("central/z", data=central.z.cpu().numpy())
-        f.create_dataset("central/u", data=central.u.cpu().numpy())
-        f.create_dataset("learners/weights", data=weights)
-        f.create_dataset("learners/momentum", data=momentum)
-        for rank, blob in enumerate(rng_states):
-            f.create_dataset(f"rng/rank_{rank}", data=np.frombuffer(blob, dtype=np.uint8))
+        f.attrs["layout_signature"] = layout_signature
+        f.attrs["world_size"] = len(gathered[0])
+        group = f.create_group("train")
+        group.attrs["state"] = json.dumps(train)
+        group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
+        f.create_dataset("central/z", data=z)
+        f.create_dataset("central/u", data=u)
+        for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
+            group = f.create_group(f"ranks/{rank}")
+            group.attrs["hyperparams"] = hyperparams.decode()
+            group.create_dataset("weights", data=np.frombuffer(weights, dtype=z.dtype).reshape(-1, z.size))
+            group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=u.dtype).reshape(-1, u.size))
+            group.create_dataset("rng", data=np.frombuffer(rng, dtype=np.uint8))
         f.attrs["complete"] = True
         f.flush()
         os.fsync(f.id.get_vfd_handle())
@@ -99,7 +119,7 @@ def check(path: Path) -> str | None:
                 return f"format version {f.attrs.get('format_version')} (expected {FORMAT_VERSION})"
             if not f.attrs.get("complete", False):
                 return "incomplete"
-            for name in ("central/z", "central/u", "learners/weights", "learners/momentum"):
+            for name in (*ARRAYS, "train", "ranks/0/weights"):
                 if name not in f:
                     return f"missing {name}"
     except (OSError, KeyError) as err:
@@ -118,88 +138,58 @@ def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def load(comm: Communicator, run_dir: str, central: CentralModel, learners: Learners) -> tuple[dict, list[str]]:
-    """Restore every rank's state from the newest valid checkpoint (collective); return the state and notes."""
-    header = None
-    if comm.rank == 0:
-        header = _read_header(run_dir, learners, comm.size)
-    header = comm.bcast_json(header)
+def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict, list[str]]:
+    """Read the newest valid checkpoint (collective); return this rank's snapshot and notes.
+
+    The snapshot has the keys of `save`'s and `k`, the rank's learners; for a rank the checkpoint does not hold,
+    `learners` and `rng` are None and `hyperparams` and `k` are rank 0's."""
+    header = _read_header(run_dir, layout_signature) if world.rank == 0 else None
+    header = world.bcast_json(header)
     if "error" in header:
         raise ConfigError(header["error"])
-    k = header["learners"]
-    if k != learners.k:
-        learners.resize(k, central.z)
-    parts = _read_arrays(header["path"]) if comm.rank == 0 else None
-    z, u, weights, momentum, rng = (comm.scatter_bytes(p) for p in _transpose(parts, comm.size, 5))
-    central.z.copy_(_tensor(z, central.z))
-    central.u.copy_(_tensor(u, central.u))
-    learners.weights.copy_(_tensor(weights, learners.weights))
-    learners.momentum.copy_(_tensor(momentum, learners.momentum))
-    _restore_rng(rng)
-    return header["state"], header["notes"]
+    arrays = _read_arrays(header["path"], world.size) if world.rank == 0 else {}
+    z = _tensor(world.bcast_bytes(arrays.get("z")), header["dtype"])
+    u = _tensor(world.bcast_bytes(arrays.get("u")), header["dtype"])
+    weights, momentum, rng = (world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng"))
+    mine = world.rank < header["world_size"]
+    learners = None
+    if mine:
+        learners = {"weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
+                    "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel())}
+    source = world.rank if mine else 0
+    snapshot = {"train": header["state"], "tuner": header["tuner"], "hyperparams": header["hyperparams"][source],
+                "k": header["learners"][source],
+                "central": {"z": z, "u": u}, "learners": learners, "rng": json.loads(rng) if mine else None}
+    return snapshot, header["notes"]
 
 
-def _read_header(run_dir: str, learners: Learners, world_size: int) -> dict:
+def _read_arrays(path: str, world_size: int) -> dict:
+    """Return z's and u's bytes, and for each rank of this job its weights', momentum's and RNG's (empty for a rank
+    the checkpoint does not hold)."""
+    with h5py.File(path, "r") as f:
+        held = int(f.attrs["world_size"])
+
+        def per_rank(name: str) -> list[bytes]:
+            return [f[f"ranks/{r}/{name}"][...].tobytes() if r < held else b"" for r in range(world_size)]
+
+        return {"z": f["central/z"][...].tobytes(), "u": f["central/u"][...].tobytes(),
+                "weights": per_rank("weights"), "momentum": per_rank("momentum"), "rng": per_rank("rng")}
+
+
+def _read_header(run_dir: str, layout_signature: str) -> dict:
     path, notes = newest_valid(run_dir)
     if path is None:
         return {"error": f"--resume: no valid checkpoint in {run_dir}" + (f" ({'; '.join(notes)})" if notes else "")}
     with h5py.File(path, "r") as f:
-        if f.attrs["layout_signature"] != learners.layout.signature:
+        if f.attrs["layout_signature"] != layout_signature:
             return {"error": f"--resume: {path} holds a different model (layout {f.attrs['layout_signature']})"}
-        if int(f.attrs["world_size"]) != world_size:
-            return {"error": f"--resume: {path} was written by {int(f.attrs['world_size'])} ranks, this job has {world_size}"}
-        state = json.loads(f.attrs["state"])
-        k = int(f.attrs["learners"])
-    return {"path": str(path), "state": state, "learners": k, "notes": notes + [f"resumed from {path.name}"]}
+        held = int(f.attrs["world_size"])
+        return {"path": str(path), "world_size": held, "dtype": f["central/z"].dtype.str,
+                "state": json.loads(f["train"].attrs["state"]), "tuner": json.loads(f["train"].attrs["tuner"]),
+                "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
+                "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
+                "notes": notes + [f"resumed from {path.name}"]}
 
 
-def _read_arrays(path: str) -> list[list[bytes]]:
-    """Return, for each rank, its [z, u, weights, momentum, rng] bytes."""
-    with h5py.File(path, "r") as f:
-        z = f["central/z"][...].tobytes()
-        u = f["central/u"][...].tobytes()
-        weights, momentum = f["learners/weights"][...], f["learners/momentum"][...]
-        return [[z, u, weights[r].tobytes(), momentum[r].tobytes(), f[f"rng/rank_{r}"][...].tobytes()]
-                for r in range(weights.shape[0])]
-
-
-def _transpose(parts, size: int, fields: int):
-    if parts is None:
-        return [None] * fields
-    return [[parts[r][i] for r in range(size)] for i in range(fields)]
-
-
-def _tensor(data: bytes, like: torch.Tensor) -> torch.Tensor:
-    dtype = torch.empty(0, dtype=like.dtype).numpy().dtype
-    return torch.from_numpy(np.frombuffer(data, dtype=dtype).copy()).view(like.shape)
-
-
-def _gather_rows(comm: Communicator, rows: torch.Tensor) -> np.ndarray | None:
-    send = np.ascontiguousarray(rows.detach().cpu().numpy())
-    recv = np.empty((comm.size,) + send.shape, dtype=send.dtype) if comm.rank == 0 else None
-    comm.mpi_comm.Gather(send, recv, root=0)
-    return recv
-
-
-def _rng_state() -> bytes:
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    state = {
-        "python": random.getstate(),
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
-    }
-    return json.dumps(state).encode()
-
-
-def _restore_rng(blob: bytes) -> None:
-    state = json.loads(blob)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy_state = state["numpy"]
-    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+def _tensor(data: bytes, dtype: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).copy())

@@ -1,8 +1,8 @@
 """Learner engines: how the k learners of a rank compute their gradients and apply the algorithm's step.
 
 An engine fills `learners.grads[j]` with the gradient of learner j's loss on its own batch and returns the
-losses, then `update` applies the algorithm's step. Algorithms only see the filled matrices, so engines
-(sequential, threads, CUDA streams) can be swapped without touching them.
+losses, then `local_step` applies the learners' own update and `sync` the algorithm's sync round. Algorithms
+only see the filled matrices, so engines (sequential, threads, CUDA streams) can be swapped without touching them.
 
 On a CPU every engine gives each learner the same number of intra-op threads, the rank's threads divided
 by k, so that results (which depend on how kernels split their reductions) do not depend on the engine.
@@ -11,16 +11,28 @@ by k, so that results (which depend on how kernels split their reductions) do no
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from crossbow_mpi.algorithms import Algorithm
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.prefetch import Batch
 from crossbow_mpi.learners import Learners
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Algorithm(Protocol):
+    """What an engine runs of an algorithm (crossbow_mpi.algorithms.Algorithm)."""
+
+    learners: Learners
+    overlaps_sync: bool
+
+    def allocate_message(self) -> None: ...
+
+    def local_step(self, rows: slice, lr: float) -> None: ...
+
+    def sync(self, lr: float) -> None: ...
 
 
 class LearnerEngine:
@@ -47,9 +59,14 @@ class LearnerEngine:
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def update(self, algorithm: Algorithm, lr: float) -> None:
-        """Apply the algorithm's step once every learner's gradient is computed."""
-        algorithm.step(lr)
+    def local_step(self, algorithm: Algorithm, lr: float) -> None:
+        """Apply every learner's own update once its gradient is computed."""
+        algorithm.allocate_message()
+        algorithm.local_step(slice(None), lr)
+
+    def sync(self, algorithm: Algorithm, lr: float) -> None:
+        """Run the algorithm's sync round over the learners' staged updates."""
+        algorithm.sync(lr)
 
     def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
         """Queue `compute` (a one-element tensor) after the latest sync without the host waiting for it; return a
@@ -119,8 +136,8 @@ class StreamEngine(LearnerEngine):
     Learner j's stream waits for the current stream (where the trainer resizes, resets and evaluates, and which
     waits for the prefetcher's copy of the batches); when the algorithm's learners read the central model in their
     forward pass (S-SGD, eager) it also waits for the last sync. Then forward and backward; then it waits for
-    the last sync and runs the learner's own part of the step (`prepare`). The sync stream waits for every
-    learner's `prepare` and for the current stream, then syncs. So with SMA a learner starts its next forward
+    the last sync and runs the learner's own part of the step (`local_step`). The sync stream waits for every
+    learner's `local_step` and for the current stream, then syncs. So with SMA a learner starts its next forward
     pass as soon as its own correction is applied, and the sync overlaps it. The current stream waits for the
     learners' losses each step and for everything at `synchronize`.
     """
@@ -152,7 +169,7 @@ class StreamEngine(LearnerEngine):
             loss.record_stream(current)
         return losses
 
-    def update(self, algorithm: Algorithm, lr: float) -> None:
+    def local_step(self, algorithm: Algorithm, lr: float) -> None:
         self.overlaps_sync = algorithm.overlaps_sync
         current = torch.cuda.current_stream()
         algorithm.allocate_message()
@@ -160,9 +177,12 @@ class StreamEngine(LearnerEngine):
             stream.wait_stream(current)
             self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
-                algorithm.prepare(slice(j, j + 1), lr)
+                algorithm.local_step(slice(j, j + 1), lr)
+
+    def sync(self, algorithm: Algorithm, lr: float) -> None:
+        for stream in self.streams[:algorithm.learners.k]:
             self.sync_stream.wait_stream(stream)
-        self.sync_stream.wait_stream(current)
+        self.sync_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.sync_stream):
             algorithm.sync(lr)
             self.last_sync = self.sync_stream.record_event()

@@ -28,6 +28,13 @@ class CentralModel:
     def buffers(self) -> torch.Tensor:
         return self.z[self.layout.num_params:]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"z": self.z.detach().clone(), "u": self.u.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.z.copy_(state["z"])
+        self.u.copy_(state["u"])
+
 
 class Learners:
     """k replicas; row j of `weights`, `grads` and `momentum` belongs to learner j."""
@@ -69,6 +76,20 @@ class Learners:
         for j, module in enumerate(self.modules):
             self.layout.bind(module, self.weights[j], self.grads[j])
         self.checked: set[int] = set()  # learners whose gradients were seen to land in their rows of `grads`
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weights": self.weights.clone(), "momentum": self.momentum.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None, z: torch.Tensor) -> None:
+        """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
+        state's (all of them, for None) start from z with zero momentum, and the state's extra rows are dropped."""
+        self.reset_to(z)
+        self.momentum.zero_()
+        if state is None:
+            return
+        fit = min(self.k, len(state["weights"]))
+        self.weights[:fit] = state["weights"][:fit]
+        self.momentum[:fit] = state["momentum"][:fit]
 
     def reset_to(self, z: torch.Tensor) -> None:
         """Set every learner's weights to z."""

@@ -93,3 +93,27 @@ def install_stop_signals() -> None:
 def stop_requested() -> bool:
     """Tell whether this rank received a stop signal."""
     return _stop_requested.is_set()
+
+
+def rng_state() -> dict:
+    """Return this process's Python, NumPy and torch generator states as JSON-serialisable values."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_state,
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
+    }
+
+
+def load_rng_state(state: dict) -> None:
+    """Restore the generator states that `rng_state` returned (also after a JSON round trip)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = dict(state["numpy"], state=dict(state["numpy"]["state"]))
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])

@@ -134,11 +134,14 @@ class AutoTuner:
             self.observed_bytes = max(self.observed_bytes, used - self.memory_before_add)
         return Memory(used=used, cap=cap, per_learner=max(self.static_bytes, self.observed_bytes))
 
-    def state(self) -> dict:
-        return {"active": self.active, "baseline": self.baseline, "observed_bytes": self.observed_bytes}
+    def state_dict(self) -> dict:
+        return {"active": self.active, "baseline": self.baseline, "observed_bytes": self.observed_bytes,
+                "memory_before_add": self.memory_before_add}
 
-    def load_state(self, state: dict) -> None:
-        self.active, self.baseline, self.observed_bytes = state["active"], state["baseline"], state["observed_bytes"]
+    def load_state_dict(self, state: dict) -> None:
+        self.active, self.baseline = state["active"], state["baseline"]
+        self.observed_bytes, self.memory_before_add = state["observed_bytes"], state["memory_before_add"]
+        self._new_window()
 
 
 def resident_bytes() -> float:

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from crossbow_mpi.comm import Communicator
+
 HEARTBEAT_TAG = 0x0CB0
 INTERVAL_S = 1.0
 
@@ -22,10 +24,10 @@ INTERVAL_S = 1.0
 class Watchdog:
     """Watch this rank's progress and its peers' heartbeats; abort the job on a hang."""
 
-    def __init__(self, mpi_comm, timeout: float):
-        self.comm = mpi_comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+    def __init__(self, comm: Communicator, timeout: float):
+        self.channel = comm.control_channel()
+        self.rank = self.channel.rank
+        self.size = self.channel.size
         self.timeout = timeout
         self.iteration = 0
         self.progressed_at = time.monotonic()
@@ -45,11 +47,11 @@ class Watchdog:
         """Stop the thread (call on every rank at the same point, after the last collective)."""
         self.stopping.set()
         self.thread.join()
-        self.comm.Free()
+        self.channel.free()
 
     def _run(self) -> None:
         incoming = np.zeros(2, dtype=np.int64)
-        request = self.comm.Irecv(incoming, source=self._mpi().ANY_SOURCE, tag=HEARTBEAT_TAG)
+        request = self.channel.irecv_any(incoming, HEARTBEAT_TAG)
         sends = []
         next_beat = 0.0
         while not self.stopping.is_set():
@@ -57,13 +59,13 @@ class Watchdog:
             if now >= next_beat:
                 beat = np.array([self.rank, self.iteration], dtype=np.int64)
                 sends = [r for r in sends if not r.Test()]
-                sends += [self.comm.Isend(beat, dest=peer, tag=HEARTBEAT_TAG) for peer in self.heard]
+                sends += [self.channel.isend(beat, peer, HEARTBEAT_TAG) for peer in self.heard]
                 next_beat = now + INTERVAL_S
             while request.Test():
                 peer, iteration = int(incoming[0]), int(incoming[1])
                 _, previous, since = self.heard[peer]
                 self.heard[peer] = (now, iteration, since if iteration == previous else now)
-                request = self.comm.Irecv(incoming, source=self._mpi().ANY_SOURCE, tag=HEARTBEAT_TAG)
+                request = self.channel.irecv_any(incoming, HEARTBEAT_TAG)
             missing = self.missing(now)
             if missing:
                 self._abort(missing)

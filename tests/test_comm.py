@@ -1,4 +1,5 @@
-"""The communicator contract, through the MPI backend, at any number of ranks."""
+"""The communicator contract, through the MPI backend, at any number of ranks, on the world and on split scopes
+(as mpi4py's own tests run each test on COMM_WORLD, COMM_SELF and duplicates)."""
 
 import time
 
@@ -8,27 +9,52 @@ import torch
 from crossbow_mpi.comm import MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import StopAgreement
 
+SCOPES = ["world", "halves", "reversed", "self"]
+
+
+@pytest.fixture(params=SCOPES)
+def scope(request, comm):
+    """A scope of the world: itself, its two halves, its ranks in reverse order, or this rank alone."""
+    if request.param == "world":
+        return comm
+    if request.param == "halves":
+        return comm.split(comm.rank < comm.size // 2, comm.rank)
+    if request.param == "reversed":
+        return comm.split(0, comm.size - comm.rank)
+    return comm.split(comm.rank)
+
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_allreduce_sums_in_place_and_broadcast_copies_root(comm, dtype):
-    tensor = torch.arange(10, dtype=dtype) + comm.rank
+def test_allreduce_sums_in_place_and_broadcast_copies_root(scope, dtype):
+    tensor = torch.arange(10, dtype=dtype) + scope.rank
     same = tensor.data_ptr()
-    assert comm.allreduce_sum_(tensor) is tensor and tensor.data_ptr() == same
-    assert torch.equal(tensor, (torch.arange(10) * comm.size + sum(range(comm.size))).to(dtype))
-    mine = torch.full((7,), float(comm.rank), dtype=dtype)
-    comm.broadcast_(mine, root=comm.size - 1)
-    assert torch.equal(mine, torch.full((7,), float(comm.size - 1), dtype=dtype))
+    reduction = scope.allreduce_sum_(tensor)
+    assert reduction.total is tensor and tensor.data_ptr() == same and reduction.contributions == scope.size
+    assert torch.equal(tensor, (torch.arange(10) * scope.size + sum(range(scope.size))).to(dtype))
+    mine = torch.full((7,), float(scope.rank), dtype=dtype)
+    scope.broadcast_(mine, root=scope.size - 1)
+    assert torch.equal(mine, torch.full((7,), float(scope.size - 1), dtype=dtype))
 
 
 @pytest.mark.mpi(min_size=1)
-def test_control_messages_travel_as_bytes_and_json(comm):
-    assert comm.allgather_bytes(b"x" * comm.rank) == [b"x" * r for r in range(comm.size)]
-    assert comm.bcast_json({"a": [1, 2]} if comm.rank == 0 else None) == {"a": [1, 2]}
-    assert comm.allgather_json(comm.rank) == list(range(comm.size))
-    parts = [bytes([r]) * (r + 1) for r in range(comm.size)] if comm.rank == 0 else None
-    assert comm.scatter_bytes(parts) == bytes([comm.rank]) * (comm.rank + 1)
-    assert comm.allreduce_sum_numbers([1.0, comm.rank]) == [comm.size, sum(range(comm.size))]
+def test_control_messages_travel_as_bytes_and_json(scope):
+    assert scope.allgather_bytes(b"x" * scope.rank) == [b"x" * r for r in range(scope.size)]
+    gathered = scope.gather_bytes(b"y" * scope.rank, root=scope.size - 1)
+    assert gathered == ([b"y" * r for r in range(scope.size)] if scope.rank == scope.size - 1 else None)
+    assert scope.bcast_json({"a": [1, 2]} if scope.rank == 0 else None) == {"a": [1, 2]}
+    assert scope.allgather_json(scope.rank) == list(range(scope.size))
+    parts = [bytes([r]) * (r + 1) for r in range(scope.size)] if scope.rank == 0 else None
+    assert scope.scatter_bytes(parts) == bytes([scope.rank]) * (scope.rank + 1)
+    assert scope.allreduce_sum_numbers([1.0, scope.rank]) == [scope.size, sum(range(scope.size))]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_split_scopes_hold_the_ranks_they_name(comm):
+    halves = comm.split(comm.rank < comm.size // 2, comm.rank)
+    members = halves.allgather_json(comm.rank)
+    assert members == sorted(r for r in range(comm.size) if (r < comm.size // 2) == (comm.rank < comm.size // 2))
+    assert comm.split(0, comm.size - comm.rank).allgather_json(comm.rank) == list(reversed(range(comm.size)))
 
 
 @pytest.mark.mpi(min_size=1)
@@ -38,10 +64,11 @@ def test_auto_on_a_cpu_uses_mpi(comm):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("lag", [0, 3])
-def test_every_rank_stops_at_the_same_step_lag_steps_after_any_rank_asked(comm, lag):
+def test_every_rank_stops_at_the_same_step_lag_steps_after_any_rank_asked(scope, lag):
+    comm = scope
     asked_at = {comm.size - 1: 5}  # only the last rank receives a signal, before its step 5
     step = 0
-    stopping = StopAgreement(comm.mpi_comm, lag, lambda: step >= asked_at.get(comm.rank, 10**9))
+    stopping = StopAgreement(comm, lag, lambda: step >= asked_at.get(comm.rank, 10**9))
     outcomes = []
     for step in range(12):
         outcomes.append(stopping.poll())
@@ -51,7 +78,7 @@ def test_every_rank_stops_at_the_same_step_lag_steps_after_any_rank_asked(comm, 
 
 @pytest.mark.mpi(min_size=2)
 def test_stop_votes_let_a_fast_rank_run_ahead_of_a_slow_one(comm):
-    stopping = StopAgreement(comm.mpi_comm, 4, lambda: False)
+    stopping = StopAgreement(comm, 4, lambda: False)
     started = time.monotonic()
     for _ in range(4):
         if comm.rank == 0:

@@ -51,10 +51,10 @@ def test_rounds_carry_every_contribution_once_late_ones_later_and_within_the_bou
             time.sleep(LATE_S)
         contribution = torch.zeros(comm.size * steps, dtype=torch.float64)
         contribution[comm.rank * steps + step] = 1
-        rounds.append(partial.allreduce_sum_(contribution))
+        rounds.append(partial.allreduce_sum_(contribution).total)
         histograms.append(partial.last.staleness)
     if partial.drain():
-        rounds.append(partial.allreduce_sum_(torch.full((comm.size * steps,), np.nan, dtype=torch.float64)))
+        rounds.append(partial.allreduce_sum_(torch.full((comm.size * steps,), np.nan, dtype=torch.float64)).total)
         histograms.append(partial.last.staleness)
     assert not partial.drain() and partial.thread is None
     rounds = torch.stack(rounds)

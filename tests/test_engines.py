@@ -15,6 +15,7 @@ from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.state import HyperParams
 from reference import relative_error, sma_reference
 
 
@@ -41,7 +42,7 @@ def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
 def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once(comm, algorithm):
-    """What the stream engine runs (each learner's `prepare` on its stream, then `sync`) gives `step`'s bits."""
+    """What the stream engine runs (each learner's `local_step` on its stream, then `sync`) gives `step`'s bits."""
     states = []
     for by_learner in (False, True):
         torch.manual_seed(0)
@@ -49,8 +50,8 @@ def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once
         layout = FlatLayout(module)
         central = CentralModel(module, layout)
         learners = Learners(mlp_bn_float64, layout, central, 3)
-        cfg = Config(algorithm=algorithm, learners=3, weight_decay=0.01)
-        step = ALGORITHMS[algorithm](cfg, comm, central, learners)
+        hp = HyperParams.from_config(Config(algorithm=algorithm, learners=3, weight_decay=0.01))
+        step = ALGORITHMS[algorithm](hp, comm, central, learners)
         for iteration in range(3):
             generator = torch.Generator().manual_seed(comm.rank * 100 + iteration)
             learners.grads.copy_(torch.randn(learners.grads.shape, generator=generator, dtype=torch.float64))
@@ -58,7 +59,7 @@ def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once
             if by_learner:
                 step.allocate_message()
                 for j in range(learners.k):
-                    step.prepare(slice(j, j + 1), 0.1)
+                    step.local_step(slice(j, j + 1), 0.1)
                 step.sync(0.1)
             else:
                 step.step(0.1)

@@ -22,7 +22,7 @@ RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.3", "--e
 def final_z(run_dir):
     newest = sorted(run_dir.glob("checkpoint-*.h5"))[-1]
     with h5py.File(newest) as f:
-        return f["central/z"][...], json.loads(f.attrs["state"])["iteration"]
+        return f["central/z"][...], json.loads(f["train"].attrs["state"])["iteration"]
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_a_checkpoint_of_another_format_version_is_skipped_with_the_reason(comm,
     comm.barrier()
     fit(comm, config(shared_tmp, epochs=1, resume=True))
     if comm.rank == 0:
-        assert "skipped checkpoint-000000016.h5: format version 99 (expected 1)" in capsys.readouterr().err
+        assert "skipped checkpoint-000000016.h5: format version 99 (expected 2)" in capsys.readouterr().err
 
 
 @pytest.mark.mpi(min_size=1)

@@ -1,54 +1,58 @@
-"""What every algorithm shares: the central model, the learners, the communicator and one sync message."""
+"""What every algorithm shares: the central model, the learners, the transport and one sync message."""
 
 from __future__ import annotations
 
 import torch
 
 from crossbow_mpi.comm import Communicator
-from crossbow_mpi.config import Config
 from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.state import HyperParams
 
 
 class Algorithm:
     """Update learners and the central model once every learner's gradient is in `learners.grads`.
 
-    A step has two parts. `prepare(rows, lr)` is each learner's own: it updates what the equations let a
+    A step has two parts. `local_step(rows, lr)` is each learner's own: it updates what the equations let a
     learner update alone and stages the learner's part of the sync message in its row of `staged`.
-    `sync(lr)` sums the staged rows into one message, allreduces it and updates the central model. The
-    stream engine runs `prepare` per learner on the learner's CUDA stream and `sync` on a sync stream;
-    elsewhere `step` runs both for all learners at once.
+    `sync(lr)` sums the staged rows into one message, reduces it over the transport and updates the central
+    model. An engine runs `local_step` once per step and `sync` when a sync round is due (every step for the
+    synchronous algorithms); the stream engine runs `local_step` per learner on the learner's CUDA stream and
+    `sync` on a sync stream. Hyper-parameters are read from `hp` at every step, so a controller may change
+    them during a run.
     """
 
     name = "base"
+    transport_kind = "allreduce"
+    """The transport the algorithm reduces over: `allreduce` (the data scope's) or `partial` (eager-SGD's)."""
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
-    learner reads before its own `prepare`."""
+    learner reads before its own `local_step`."""
 
-    def __init__(self, config: Config, comm: Communicator, central: CentralModel, learners: Learners):
-        self.config = config
-        self.comm = comm
+    def __init__(self, hp: HyperParams, transport: Communicator, central: CentralModel, learners: Learners):
+        self.hp = hp
+        self.transport = transport
         self.central = central
         self.learners = learners
         self.staged = torch.empty(0)
-        """Row j: learner j's part of the sync message [its rows' part | its float buffers]."""
+        """Row j: learner j's part of the sync message [its part | its float buffers | 1 (it counts itself)]."""
         self.message = torch.empty(0)
-        """The sync message: the sum of the staged rows."""
+        """The sync message: the sum of the staged rows; its last element counts the learners it carries."""
 
     def step(self, lr: float) -> None:
-        """Apply one iteration's update and synchronisation."""
+        """Apply one iteration's local update and synchronisation."""
         self.allocate_message()
-        self.prepare(slice(None), lr)
+        self.local_step(slice(None), lr)
         self.sync(lr)
 
     def allocate_message(self) -> None:
-        """(Re)allocate the staged rows and the message for the current number of learners, before `prepare`
+        """(Re)allocate the staged rows and the message for the current number of learners, before `local_step`
         (on a GPU: on the stream that every learner's and the sync stream wait for)."""
-        weights = self.learners.weights
-        if self.staged.shape != weights.shape:
-            self.staged = weights.new_empty(weights.shape)
-            self.message = weights.new_empty(weights.shape[1])
+        k, num_state = self.learners.weights.shape
+        if self.staged.shape != (k, num_state + 1):
+            self.staged = self.learners.weights.new_ones((k, num_state + 1))
+            self.message = self.learners.weights.new_empty(num_state + 1)
 
-    def prepare(self, rows: slice, lr: float) -> None:
+    def local_step(self, rows: slice, lr: float) -> None:
         """Run the learners' own part of the step for the learners in `rows`, staging their sync message rows."""
         raise NotImplementedError
 
@@ -69,21 +73,21 @@ class Algorithm:
     def staged_rows(self, rows: slice) -> torch.Tensor:
         """Return the staged rows' first part (one column per parameter), staging the learners' buffers beside it."""
         learners = self.learners
-        assert self.staged.shape == learners.weights.shape, "allocate_message() before prepare()"
+        assert self.staged.shape[0] == learners.k, "allocate_message() before local_step()"
         num_params = learners.layout.num_params
-        self.staged[rows, num_params:] = learners.buffers[rows]
+        self.staged[rows, num_params:-1] = learners.buffers[rows]
         return self.staged[rows, :num_params]
 
-    def allreduce_staged(self) -> torch.Tensor:
-        """Allreduce [sum of the staged rows' first parts | mean of the learners' buffers] as one message; return
-        the first part.
+    def allreduce_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reduce [sum of the staged rows' first parts | sum of the learners' buffers | learners] as one message;
+        return the first part and the number of learners the reduction carried (a one-element tensor).
 
-        BatchNorm running statistics follow one rule for every algorithm: z's buffers become the mean of
-        all learners' buffers (over every learner of every rank) at each sync.
+        BatchNorm running statistics follow one rule for every algorithm: z's buffers become the mean of the
+        buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
         num_params, message = self.learners.layout.num_params, self.message
         torch.sum(self.staged, 0, out=message)
-        message[num_params:].div_(self.learners.k * self.comm.size)
-        self.comm.allreduce_sum_(message)
-        self.central.buffers.copy_(message[num_params:])
-        return message[:num_params]
+        self.transport.allreduce_sum_(message)
+        carried = message[-1:]
+        torch.div(message[num_params:-1], carried, out=self.central.buffers)
+        return message[:num_params], carried

@@ -6,10 +6,11 @@ At every step each rank puts the sum of its learners' gradients into its accumul
     g_n = (1 / kP) Σ_{contributions carried by round n} Σ_j ∇ℓ(w_j)     (a late one lands in a later round)
     d = g_n + λ z;  u ← μ u + d;  z ← z − η u;  every learner becomes z
 
-This is SynchronousSGD's step with its allreduce replaced, so every rank applies the same rounds in the same order
-and holds the same z at every step, and a round that carries every rank's fresh gradient is S-SGD's step, bit for
-bit (with `--comm mpi`; rounds always travel over MPI). BatchNorm running statistics travel in every round with
-the gradients: z's buffers become the mean over the learners whose gradients the round carried. `drain` fires one
+This is SynchronousSGD's step over the partial allreduce (its transport), dividing by every learner of every rank
+rather than by those the round carried, so every rank applies the same rounds in the same order and holds the
+same z at every step, and a round that carries every rank's fresh gradient is S-SGD's step, bit for bit (with
+`--comm mpi`; rounds always travel over MPI). BatchNorm running statistics travel in every round with the
+gradients: z's buffers become the mean over the learners whose gradients the round carried. `drain` fires one
 synchronous round that empties every accumulator and applies it like a step, so a checkpoint or the end of a run
 holds every gradient. The number of learners per rank stays fixed (no `--learners auto`): a round divides by one k.
 """
@@ -19,35 +20,25 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.ssgd import SynchronousSGD
-from crossbow_mpi.comm import Communicator
-from crossbow_mpi.comm.partial import PartialAllreduce
-from crossbow_mpi.config import Config
-from crossbow_mpi.learners import CentralModel, Learners
 
 
 class EagerSGD(SynchronousSGD):
     name = "eager"
+    transport_kind = "partial"
 
-    def __init__(self, config: Config, comm: Communicator, central: CentralModel, learners: Learners):
-        partial = PartialAllreduce(comm, config.eager_mode, config.eager_sync_every, config.seed)
-        super().__init__(config, partial, central, learners)
-        self.lr = config.lr
-        """The latest step's learning rate; a drained round is applied with it."""
+    lr: float | None = None
+    """The latest step's learning rate; a drained round is applied with it."""
 
     def sync(self, lr: float) -> None:
         self.lr = lr
         super().sync(lr)
 
-    def allreduce_staged(self) -> torch.Tensor:
-        """Sync as S-SGD does, over the partial allreduce; z's buffers become the mean over the learners whose
-        gradients the round carried (the message divides them by every learner of every rank)."""
-        gradient = super().allreduce_staged()
-        self.central.buffers.mul_(self.comm.size / self.comm.last.contributions)
-        return gradient
+    def gradient_divisor(self, carried: torch.Tensor) -> int:
+        return self.learners.k * self.transport.size
 
     def drain(self) -> None:
-        if self.comm.drain():
+        if self.transport.drain():
             super().sync(self.lr)
 
     def statistics(self) -> dict:
-        return self.comm.statistics()
+        return self.transport.statistics()

@@ -1,10 +1,11 @@
-"""The communicator interface: tensor collectives for the data path, MPI messages for control."""
+"""The communicator interface: tensor collectives for the data path, MPI messages for the control plane."""
 
 from __future__ import annotations
 
 import json
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,11 +14,20 @@ POLL_MIN_S = 5e-5
 POLL_MAX_S = 1e-3
 
 
-class Communicator(ABC):
-    """Collectives over the ranks of one job.
+@dataclass
+class Reduction:
+    """What an allreduce returned: the summed tensor, and how many ranks' contributions the sum carries."""
 
-    Tensor collectives (`allreduce_sum_`, `broadcast_`) are what a backend implements; control
-    messages (JSON, bytes) always travel over the MPI communicator as byte buffers, never as Python objects.
+    total: torch.Tensor
+    contributions: int
+
+
+class Communicator(ABC):
+    """Collectives over the ranks of one scope (the world, or a split of it).
+
+    Tensor collectives (`allreduce_sum_`, `broadcast_`) are what a backend implements; control messages
+    (JSON, bytes, NumPy arrays, votes, heartbeats) always travel over the scope's MPI communicator as byte
+    buffers, never as Python objects.
     """
 
     def __init__(self, mpi_comm):
@@ -26,12 +36,22 @@ class Communicator(ABC):
         self.size = mpi_comm.Get_size()
 
     @abstractmethod
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace a contiguous tensor, in place, by its sum over all ranks."""
+    def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
+        """Replace a contiguous tensor, in place, by its sum over the ranks; return it with its contribution count."""
 
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Replace a contiguous tensor, in place, by root's copy."""
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """Return the MPI scope of the ranks that passed the same color, ordered by key (collective)."""
+        from crossbow_mpi.comm.mpi import MpiCommunicator
+
+        return MpiCommunicator(self.mpi_comm.Split(color, key))
+
+    def control_channel(self) -> "ControlChannel":
+        """Return a private duplicate of this scope for control traffic beside the training loop (collective)."""
+        return ControlChannel(self.mpi_comm.Dup())
 
     def barrier(self) -> None:
         self.mpi_comm.Barrier()
@@ -42,6 +62,18 @@ class Communicator(ABC):
         self.mpi_comm.Allgather(np.array([len(data)], dtype=np.int64), sizes)
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.mpi_comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
+
+    def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Return every rank's bytes, in rank order, on root (None elsewhere)."""
+        sizes = np.empty(self.size, dtype=np.int64) if self.rank == root else None
+        self.mpi_comm.Gather(np.array([len(data)], dtype=np.int64), sizes, root=root)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8) if self.rank == root else None
+        self.mpi_comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes] if self.rank == root else None,
+                              root=root)
+        if self.rank != root:
+            return None
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
 
@@ -87,6 +119,33 @@ class Communicator(ABC):
         return MPI
 
 
+class ControlChannel:
+    """A duplicated scope for control traffic that runs beside the training loop's collectives: non-blocking
+    votes and point-to-point heartbeats. Its rank order is its scope's."""
+
+    def __init__(self, mpi_comm):
+        self.mpi_comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+
+    def iallreduce_sum_(self, values: np.ndarray):
+        """Start summing a float64 array in place over the ranks; return the request."""
+        return self.mpi_comm.Iallreduce(Communicator.mpi().IN_PLACE, values)
+
+    def isend(self, values: np.ndarray, dest: int, tag: int):
+        return self.mpi_comm.Isend(values, dest=dest, tag=tag)
+
+    def irecv_any(self, values: np.ndarray, tag: int):
+        """Start receiving into `values` from any rank."""
+        return self.mpi_comm.Irecv(values, source=Communicator.mpi().ANY_SOURCE, tag=tag)
+
+    def irecv(self, values: np.ndarray, source: int, tag: int):
+        return self.mpi_comm.Irecv(values, source=source, tag=tag)
+
+    def free(self) -> None:
+        self.mpi_comm.Free()
+
+
 def wait_sleeping(requests: list) -> None:
     """Complete MPI requests, sleeping between tests instead of spinning: MPI's blocking waits spin and would take
     a core from the threads still computing."""
@@ -99,13 +158,13 @@ def wait_sleeping(requests: list) -> None:
 class StopAgreement:
     """Agree across ranks whether any rank received a stop signal, without a blocking collective per step.
 
-    `poll()` posts a non-blocking allreduce of this rank's flag on a duplicated communicator and returns the
-    outcome of the one posted `lag` calls earlier, so every rank stops at the same step while ranks may run
-    up to `lag` steps apart (eager-SGD's do)."""
+    `poll()` posts a non-blocking allreduce of this rank's flag on a private channel and returns the outcome
+    of the one posted `lag` calls earlier, so every rank stops at the same step while ranks may run up to
+    `lag` steps apart (eager-SGD's do)."""
 
-    def __init__(self, mpi_comm, lag: int, requested):
+    def __init__(self, comm: Communicator, lag: int, requested):
         assert lag >= 0
-        self.channel = mpi_comm.Dup()
+        self.channel = comm.control_channel()
         self.lag = lag
         self.requested = requested
         self.pending: list[tuple[np.ndarray, object]] = []
@@ -113,7 +172,7 @@ class StopAgreement:
     def poll(self) -> bool:
         """Vote, and return whether the vote of `lag` calls ago found a stop request on any rank (collective)."""
         flag = np.array([float(self.requested())])
-        self.pending.append((flag, self.channel.Iallreduce(Communicator.mpi().IN_PLACE, flag)))
+        self.pending.append((flag, self.channel.iallreduce_sum_(flag)))
         if len(self.pending) <= self.lag:
             return False
         flag, request = self.pending.pop(0)
@@ -121,7 +180,7 @@ class StopAgreement:
         return bool(flag[0])
 
     def close(self) -> None:
-        """Complete the votes in flight and free the communicator (collective: every rank voted as often)."""
+        """Complete the votes in flight and free the channel (collective: every rank voted as often)."""
         wait_sleeping([request for _, request in self.pending])
         self.pending = []
-        self.channel.Free()
+        self.channel.free()

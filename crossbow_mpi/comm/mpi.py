@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from crossbow_mpi.comm.base import Communicator
+from crossbow_mpi.comm.base import Communicator, Reduction
 
 
 class MpiCommunicator(Communicator):
     """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
 
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+    def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         if self.size > 1:
             with _host_view(tensor) as host:
                 self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
-        return tensor
+        return Reduction(tensor, self.size)
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from crossbow_mpi.comm.base import Communicator
+from crossbow_mpi.comm.base import Communicator, Reduction
 from crossbow_mpi.config import ConfigError
 
 
@@ -49,9 +49,10 @@ class NcclCommunicator(Communicator):
         if hasattr(self.nccl, "NCCL_BFLOAT16"):
             self.dtypes[torch.bfloat16] = self.nccl.NCCL_BFLOAT16
 
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._run(tensor, lambda ptr, count, dtype, stream:
-                         self.comm.allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, stream))
+    def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
+        self._run(tensor, lambda ptr, count, dtype, stream:
+                  self.comm.allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, stream))
+        return Reduction(tensor, self.size)
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         return self._run(tensor, lambda ptr, count, dtype, stream: self.comm.bcast(ptr, count, dtype, root, stream))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, wait_sleeping
+from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, Reduction, wait_sleeping
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import EAGER_MODES, ConfigError
 
@@ -81,22 +81,23 @@ class PartialAllreduce(Communicator):
         self.thread: threading.Thread | None = None
         self.drained: Round | None = None
         self.last: Round | None = None
-        """The round the last `allreduce_sum_` returned."""
+        """The round the last `allreduce_sum_` returned (for inspection)."""
         self.window = self._empty_window()
 
     def initiator(self, number: int) -> int:
         """Return the rank whose arrival activates majority round `number` (the same draw on every rank)."""
         return random.Random(self.seed * 1_000_003 + number).randrange(self.size)
 
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+    def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         """Put a copy of `tensor` into this rank's accumulator, wait for this rank's next round and replace `tensor`
-        by the round's sum. After `drain` returned True, return the drained round instead, adding nothing."""
+        by the round's sum, which carries the round's contributions. After `drain` returned True, return the
+        drained round instead, adding nothing."""
         if self.drained is None:
             synchronous = self.thread is None or self.eager_since_sync == self.sync_every - 1
             self.last = self._arrive(_settled(tensor.clone()), "sync" if synchronous else "eager")
         else:
             self.last, self.drained = self.drained, None
-        return tensor.copy_(self.last.total)
+        return Reduction(tensor.copy_(self.last.total), self.last.contributions)
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         return self.comm.broadcast_(tensor, root)
@@ -189,7 +190,7 @@ class PartialAllreduce(Communicator):
             if staleness.any():
                 contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
                 total = functools.reduce(torch.add, contributions)
-                _settled(self.transport.allreduce_sum_(total))
+                _settled(self.transport.allreduce_sum_(total).total)
             if kind == "eager":
                 wait_sleeping(recvs + sends)
                 assert (inbox == number).all(), "activation messages out of step"

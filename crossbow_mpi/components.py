@@ -1,0 +1,280 @@
+"""What the training loop calls at its named points: evaluation, checkpoints, auto-tuning, hyper-parameter
+controllers and the divergence check. Each receives the run and only the scope it needs."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from crossbow_mpi import checkpoint, runtime
+from crossbow_mpi.comm import Communicator
+from crossbow_mpi.comm.base import StopAgreement
+from crossbow_mpi.config import Config
+from crossbow_mpi.data.prefetch import to_device
+from crossbow_mpi.data.sampler import fetch_batch
+from crossbow_mpi.metrics import MetricsLog, Progress
+from crossbow_mpi.run import Run, Step
+from crossbow_mpi.schedule import Schedule
+from crossbow_mpi.state import TrainState
+from crossbow_mpi.topology import Topology
+from crossbow_mpi.tuner import AutoTuner, Policy
+from crossbow_mpi.watchdog import Watchdog
+
+EVAL_BATCH = 1000
+STOP_LAG = 16
+"""Steps between a stop vote and its outcome: ranks may run this far apart, and stop this many steps after a
+signal."""
+
+
+class DivergenceError(RuntimeError):
+    """The loss or the central model became NaN or infinite."""
+
+
+class Clock:
+    """Training seconds: those of earlier sessions (from the state) plus this session's."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+
+    def elapsed(self, state: TrainState) -> float:
+        return state.elapsed_s + time.perf_counter() - self.started
+
+
+class DivergenceCheck:
+    """Check the central model for NaN and Inf one step late, so that the host never waits for the step it has
+    just queued on a GPU (collective: z is the same on every rank, so every rank raises at the same check)."""
+
+    def __init__(self, world: Communicator):
+        self.world = world
+        self.pending: tuple[int, Callable[[], float], torch.Tensor] | None = None
+
+    def after_step(self, run: Run, step: Step) -> None:
+        """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
+        self.check()
+        self.pending = (run.state.iteration, run.engine.after_sync(run.central.z.sum), step.losses)
+
+    def check(self) -> None:
+        """Raise DivergenceError if the held step's central model is not finite."""
+        if self.pending is None:
+            return
+        (iteration, read_z_sum, losses), self.pending = self.pending, None
+        if not math.isfinite(read_z_sum()):
+            bad = self.world.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
+            culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
+            where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
+            raise DivergenceError(f"training diverged at iteration {iteration}: {where}; "
+                                  "the last good checkpoint is kept")
+
+
+class Evaluation:
+    """Evaluate z on the test set when due, and write the record with the training window's loss and speed."""
+
+    def __init__(self, config: Config, data: Communicator, test_set, loss_fn, metrics: MetricsLog,
+                 progress: Progress):
+        self.config = config
+        self.data = data
+        self.test_set = test_set
+        self.loss_fn = loss_fn
+        self.metrics = metrics
+        self.progress = progress
+        self.window_samples, self.window_seconds = 0, 0.0
+
+    def observe(self, step: Step) -> None:
+        self.window_samples += step.samples
+        self.window_seconds += step.seconds
+
+    def due(self, run: Run) -> bool:
+        if self.config.eval_every:
+            return run.state.samples >= run.state.next_eval
+        return not run.step_fits()
+
+    def __call__(self, run: Run, lr: float, elapsed_s: float) -> dict:
+        """Evaluate (collective; the run is settled); return the record."""
+        state, cfg = run.state, self.config
+        accuracy, loss = evaluate_model(run.central.module, self.test_set, self.data, self.loss_fn)
+        train_loss = self.data.allreduce_sum_numbers([state.loss_sum, state.loss_count])
+        record = {"time_s": elapsed_s, "epoch": run.epoch_progress, "iteration": state.iteration,
+                  "samples": state.samples, "test_accuracy": accuracy, "test_loss": loss,
+                  "train_loss": train_loss[0] / max(train_loss[1], 1), "learners": run.learners.k,
+                  "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9), "lr": lr}
+        record.update(run.algorithm.statistics())
+        state.loss_sum, state.loss_count = 0.0, 0
+        state.last_eval = state.iteration
+        if cfg.eval_every:
+            state.next_eval += cfg.eval_every
+        if accuracy >= cfg.target_accuracy > 0 and state.time_to_accuracy_s is None:
+            state.time_to_accuracy_s = elapsed_s
+        self.window_samples, self.window_seconds = 0, 0.0
+        self.metrics.write(record)
+        self.progress.report(record)
+        return record
+
+
+@torch.no_grad()
+def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> tuple[float, float]:
+    """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
+    module.eval()
+    device = next(module.parameters()).device
+    dtype = next(module.parameters()).dtype
+    n = len(dataset)
+    start, stop = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
+    correct, loss_sum = 0.0, 0.0
+    for first in range(start, stop, EVAL_BATCH):
+        indices = torch.arange(first, min(first + EVAL_BATCH, stop))
+        inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
+        outputs = module(inputs)
+        loss_sum += float(loss_fn(outputs, targets)) * len(indices)
+        correct += float((outputs.argmax(1) == targets).sum())
+    correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
+    return correct / n, loss_sum / n
+
+
+class Tuning:
+    """With `--learners auto`: measure throughput over windows of steps and change the learners per rank."""
+
+    def __init__(self, config: Config, world: Communicator, run: Run, device: torch.device, local_size: int,
+                 metrics: MetricsLog, progress: Progress):
+        self.config = config
+        self.world = world
+        self.metrics = metrics
+        self.progress = progress
+        self.tuner = None
+        if config.learners == "auto":
+            max_learners = min(config.max_learners, run.num_samples // (world.size * config.batch_size))
+            layout = run.layout
+            bytes_per_learner = (layout.num_state + 2 * layout.num_params) * run.central.z.element_size()
+            self.tuner = AutoTuner(Policy(config.autotune_threshold, max_learners), config.autotune_interval, world,
+                                   device, config.max_memory, local_size, bytes_per_learner)
+
+    def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:
+        if self.tuner is None:
+            return
+        decision = self.tuner.observe(step.samples // self.world.size, step.seconds, run.learners.k)
+        if decision is None:
+            return
+        run.resize(decision["learners"])
+        self.metrics.write({**decision, "iteration": run.state.iteration, "time_s": elapsed_s})
+        self.progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
+                           f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})")
+
+    def on_lr_drop(self, run: Run) -> None:
+        if self.tuner is not None and self.config.autotune_on_lr_drop:
+            self.tuner.restart()
+            run.resize(1)
+
+    def state_dict(self) -> dict | None:
+        return None if self.tuner is None else self.tuner.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.tuner is not None and state is not None:
+            self.tuner.load_state_dict(state)
+
+
+class Controller(Protocol):
+    """Changes hyper-parameters during a run: called after every step, returns the changes to make (the same on
+    every rank), or None."""
+
+    def __call__(self, run: Run, step: Step) -> dict | None: ...
+
+
+class Controllers:
+    """Apply the controllers' hyper-parameter changes and record each one."""
+
+    def __init__(self, controllers, metrics: MetricsLog):
+        self.controllers = list(controllers)
+        self.metrics = metrics
+
+    def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:
+        for controller in self.controllers:
+            changed = run.hp.update(**(controller(run, step) or {}))
+            if changed:
+                self.metrics.write({"event": "hyperparams", "iteration": run.state.iteration, "time_s": elapsed_s,
+                                    "changes": changed})
+
+
+class Checkpoints:
+    """Write the whole training state when due, and read it back on resume (both collective over the world)."""
+
+    def __init__(self, config: Config, world: Communicator, tuning: Tuning):
+        self.config = config
+        self.world = world
+        self.tuning = tuning
+
+    def due(self, state: TrainState) -> bool:
+        return bool(self.config.checkpoint_every) and state.iteration % self.config.checkpoint_every == 0
+
+    def save(self, run: Run, elapsed_s: float) -> None:
+        """Drain the algorithm and write a checkpoint (the run is settled)."""
+        run.algorithm.drain()
+        snapshot = run.state_dict()
+        snapshot["train"]["elapsed_s"] = elapsed_s
+        snapshot["tuner"] = self.tuning.state_dict()
+        checkpoint.save(self.world, self.config.run_dir, snapshot, self.config.to_json(), run.layout.signature,
+                        self.config.keep_checkpoints)
+
+    def restore(self, run: Run) -> list[str]:
+        """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
+        snapshot, notes = checkpoint.load(self.world, self.config.run_dir, run.layout.signature)
+        fixed = self.config.learners if self.config.learners != "auto" else None
+        run.load_state_dict(snapshot, learners=fixed)
+        self.tuning.load_state_dict(snapshot["tuner"])
+        if self.world.rank != 0:
+            run.state.loss_sum, run.state.loss_count = 0.0, 0
+        return notes
+
+
+class _NoWatchdog:
+    def progress(self, iteration: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Components:
+    """Everything the loop calls besides the run itself."""
+
+    schedule: Schedule
+    evaluation: Evaluation
+    checkpoints: Checkpoints
+    tuning: Tuning
+    controllers: Controllers
+    divergence: DivergenceCheck
+    stopping: StopAgreement
+    watchdog: Watchdog | _NoWatchdog
+    metrics: MetricsLog
+    progress: Progress
+
+    @classmethod
+    def build(cls, config: Config, topology: Topology, run: Run, test_set, loss_fn,
+              controllers: Sequence[Controller], device: torch.device) -> "Components":
+        """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
+        world = topology.world
+        metrics = MetricsLog(config.run_dir, world.rank == 0)
+        progress = Progress(int(config.epochs * run.num_samples), world.rank == 0)
+        tuning = Tuning(config, world, run, device, topology.local_size, metrics, progress)
+        checkpoints = Checkpoints(config, world, tuning)
+        for note in checkpoints.restore(run) if config.resume else []:
+            progress.note(note)
+        progress.advance(run.state.samples)
+        return cls(schedule=Schedule(config),
+                   evaluation=Evaluation(config, topology.data, test_set, loss_fn, metrics, progress),
+                   checkpoints=checkpoints, tuning=tuning, controllers=Controllers(controllers, metrics),
+                   divergence=DivergenceCheck(world), stopping=StopAgreement(world, STOP_LAG, runtime.stop_requested),
+                   watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
+                   metrics=metrics, progress=progress)
+
+    def finish(self, run: Run) -> None:
+        """Complete the stop votes, close the progress display and release the engine's workers (collective)."""
+        self.stopping.close()
+        self.progress.close()
+        run.engine.close()
+
+    def close(self) -> None:
+        self.watchdog.close()

@@ -1,0 +1,122 @@
+"""One training run on this rank: the models, the algorithm and its engine, the data position and the
+hyper-parameters; `train_step` is the data path, `state_dict` a snapshot of all of it."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from crossbow_mpi import runtime
+from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.comm import build_transport
+from crossbow_mpi.config import Config
+from crossbow_mpi.data.prefetch import BatchPrefetcher
+from crossbow_mpi.data.sampler import GlobalSampler
+from crossbow_mpi.engines import LearnerEngine
+from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.imbalance import Imbalance
+from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.state import HyperParams, TrainState
+from crossbow_mpi.topology import Topology
+
+
+@dataclass
+class Step:
+    """What one global step did on this rank."""
+
+    samples: int
+    """Samples the step took over every rank of the data scope."""
+    losses: torch.Tensor
+    """This rank's learners' losses (on the device)."""
+    seconds: float
+    """Host time of the step on this rank."""
+
+
+class Run:
+    """Everything one `fit` trains on this rank."""
+
+    def __init__(self, config: Config, topology: Topology, engine: LearnerEngine, device: torch.device,
+                 model_fn: Callable[[], nn.Module], train_set, learners: int, imbalance: Imbalance | None = None):
+        self.topology = topology
+        self.engine = engine
+        self.imbalance = imbalance
+        torch.manual_seed(config.seed)
+        module = model_fn().to(device)
+        self.layout = FlatLayout(module)
+        self.central = CentralModel(module, self.layout)
+        topology.data.broadcast_(self.central.z)
+        self.learners = Learners(model_fn, self.layout, self.central, learners)
+        self.hp = HyperParams.from_config(config)
+        algorithm = ALGORITHMS[config.algorithm]
+        transport = build_transport(algorithm.transport_kind, topology.data, config)
+        self.algorithm = algorithm(self.hp, transport, self.central, self.learners)
+        self.num_samples = len(train_set)
+        self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
+        self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
+        self.state = TrainState(next_eval=config.eval_every)
+        self.losses = torch.zeros((), dtype=torch.float64, device=device)
+        """Training losses summed on the device since the last `settle`, so that no step waits to read one."""
+        runtime.seed_everything(config.seed, topology.world.rank)
+
+    @property
+    def epoch_progress(self) -> float:
+        return self.state.epoch_progress(self.num_samples)
+
+    def step_fits(self) -> bool:
+        """Tell whether the next global step fits in the current epoch."""
+        return self.sampler.fits(self.state.offset, self.learners.k, self.hp.batch_size)
+
+    def train_step(self, lr: float) -> Step:
+        """Take one global step: batches → gradients → each learner's local update → sync."""
+        started = time.perf_counter()
+        state, k, batch_size = self.state, self.learners.k, self.hp.batch_size
+        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_size)
+        losses = self.engine.compute_gradients(self.learners, batches)
+        samples = self.sampler.step_size(k, batch_size)
+        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_size)
+        if self.imbalance is not None:
+            world = self.topology.world
+            time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
+        self.engine.local_step(self.algorithm, lr)
+        self.engine.sync(self.algorithm, lr)
+        state.advance(samples)
+        self.losses += losses.sum()
+        state.loss_count += k
+        return Step(samples, losses, time.perf_counter() - started)
+
+    def settle(self) -> None:
+        """Order what follows after the queued device work and collect the summed losses into the state."""
+        self.engine.synchronize()
+        self.state.loss_sum += float(self.losses)
+        self.losses.zero_()
+
+    def resize(self, k: int) -> None:
+        """Change the number of learners on this rank (new ones start from z with zero momentum)."""
+        self.engine.synchronize()
+        self.learners.resize(k, self.central.z)
+
+    def state_dict(self) -> dict:
+        """Return a snapshot of this rank's whole training state (settle and drain first)."""
+        return {"train": self.state.to_dict(), "hyperparams": self.hp.to_dict(),
+                "central": self.central.state_dict(), "learners": self.learners.state_dict(),
+                "rng": copy.deepcopy(runtime.rng_state())}
+
+    def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
+        """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
+
+        A snapshot without learners (a rank the checkpoint did not hold) starts every learner from z with zero
+        momentum and keeps the RNGs seeded from the seed and this rank."""
+        self.engine.synchronize()
+        self.state = TrainState.from_dict(snapshot["train"])
+        self.hp.update(**snapshot["hyperparams"])
+        self.central.load_state_dict(snapshot["central"])
+        rows = snapshot["learners"]
+        self.learners.resize(learners or snapshot.get("k") or len(rows["weights"]), self.central.z)
+        self.learners.load_state_dict(rows, self.central.z)
+        if snapshot["rng"] is not None:
+            runtime.load_rng_state(snapshot["rng"])

@@ -1,0 +1,94 @@
+"""The training loop's state and its run-time hyper-parameters, with explicit serialisation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class _Serialised:
+    """Dataclasses that are written to checkpoints field by field and read back refusing unknown fields."""
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {', '.join(unknown)}")
+        return cls(**values)
+
+
+@dataclass
+class TrainState(_Serialised):
+    """Where a run is: its data position, counters, timers and the evaluation window."""
+
+    epoch: int = 0
+    """Epochs completed."""
+    offset: int = 0
+    """Samples of the current epoch's permutation already trained on (by every rank together)."""
+    iteration: int = 0
+    """Global steps taken."""
+    samples: int = 0
+    """Samples trained on since the start, by every rank together."""
+    drops: int = 0
+    """Learning-rate drops passed."""
+    next_eval: int = 0
+    """Sample count at which the next evaluation is due (with `eval_every` > 0)."""
+    elapsed_s: float = 0.0
+    """Training seconds before the current session (a resumed run adds its own)."""
+    loss_sum: float = 0.0
+    """This rank's training losses summed since the last evaluation (a checkpoint holds every rank's on rank 0)."""
+    loss_count: int = 0
+    """How many losses `loss_sum` adds up."""
+    time_to_accuracy_s: float | None = None
+    """Training seconds until the target accuracy was first reached."""
+    last_eval: int | None = None
+    """Iteration of the last evaluation."""
+
+    def epoch_progress(self, num_samples: int) -> float:
+        """Return the fractional epoch."""
+        return self.epoch + self.offset / num_samples
+
+    def next_epoch(self) -> None:
+        self.epoch, self.offset = self.epoch + 1, 0
+
+    def advance(self, samples: int) -> None:
+        """Count one global step of `samples` samples."""
+        self.offset += samples
+        self.samples += samples
+        self.iteration += 1
+
+
+@dataclass
+class HyperParams(_Serialised):
+    """The hyper-parameters an algorithm reads at every step; a controller may change them during a run."""
+
+    lr: float
+    """Base learning rate η (the schedule's warm-up and drops scale it)."""
+    momentum: float
+    """Momentum μ of each learner (SMA) or of the central model (S-SGD, eager)."""
+    weight_decay: float
+    """L2 coefficient λ."""
+    alpha: float
+    """SMA: fraction of each learner's difference to z moved per sync."""
+    central_momentum: float
+    """SMA: momentum μ_z of the central model's updates."""
+    batch_size: int
+    """Samples per learner per step on this rank."""
+
+    @classmethod
+    def from_config(cls, config) -> "HyperParams":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    def update(self, **changes) -> dict:
+        """Change some values; return {name: [old, new]} for those that changed."""
+        changed = {}
+        for name, value in changes.items():
+            old = getattr(self, name)
+            if old != value:
+                changed[name] = [old, value]
+                setattr(self, name, value)
+        return changed

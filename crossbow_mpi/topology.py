@@ -1,0 +1,37 @@
+"""The job's process scopes, built once: who controls, who averages one model, who steps together, who holds
+which part of one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crossbow_mpi.comm import Communicator
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Named scopes of the ranks; every component receives only the scope it needs.
+
+    Today every rank holds a whole model and all ranks step together, so `data` and `group` span the world
+    and `stage` is this rank alone.
+    """
+
+    world: Communicator
+    """Control plane: every rank (configuration checks, stop votes, heartbeats, checkpoints, the tuner)."""
+    data: Communicator
+    """The ranks that average one model (shard): the transport of the sync, the sampler's and evaluation's scope."""
+    group: Communicator
+    """The ranks that take each step together (a compute group)."""
+    stage: Communicator
+    """The ranks that hold the stages of one model replica."""
+    local_rank: int
+    """This rank's index among the ranks of its node."""
+    local_size: int
+    """How many ranks run on this node."""
+
+    @classmethod
+    def data_parallel(cls, world: Communicator, data: Communicator, local_rank: int, local_size: int) -> "Topology":
+        """Return the topology where every rank holds a whole model and `data` (world's ranks) averages them."""
+        assert data.size == world.size
+        return cls(world=world, data=data, group=data, stage=world.split(world.rank), local_rank=local_rank,
+                   local_size=local_size)

@@ -1,0 +1,82 @@
+"""The library's import graph: no cycle, and no module imports a higher layer.
+
+Layers, from the top: cli → trainer → algorithms/tuners → learners/comm → device/data/models. Every import
+counts, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "crossbow_mpi"
+LAYERS = {
+    4: ["train"],
+    3: ["trainer", "components", "run", "checkpoint"],
+    2: ["algorithms", "tuner", "schedule"],
+    1: ["learners", "engines", "comm", "topology", "watchdog"],
+    0: ["data", "models", "flat", "runtime", "imbalance", "metrics", "config", "state"],
+}
+"""Each module (or package) of crossbow_mpi by layer; a new module must be placed here."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, modules) -> set[str]:
+    """Return the crossbow_mpi modules a file imports anywhere in it (`from P import m` imports module P.m)."""
+    found = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = {f"{base}.{alias.name}" for alias in node.names}
+            found |= (names & set(modules)) or {base}
+    return {name for name in found if name.startswith("crossbow_mpi.")}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports(path, modules) if m in modules and m != name} for name, path in modules.items()}
+
+
+def layer(module: str) -> int:
+    if module == "crossbow_mpi":
+        return max(LAYERS)  # the package's API re-exports the trainer
+    top = module.split(".")[1]
+    for level, names in LAYERS.items():
+        if top in names:
+            return level
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+              for a, targets in graph().items() for b in targets if layer(b) > layer(a)]
+    assert not upward, upward
+
+
+def test_the_import_graph_has_no_cycle():
+    edges = graph()
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(edges[node]):
+            if state.get(target) == "open":
+                raise AssertionError("import cycle: " + " → ".join(path[path.index(target):] + [target]))
+            if target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])

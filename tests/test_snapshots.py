@@ -1,0 +1,185 @@
+"""Snapshots in memory, run-time hyper-parameters, and checkpoints that reshard to another number of ranks or
+learners."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.checkpoint import checkpoint_path, list_checkpoints
+from crossbow_mpi.components import Checkpoints, Tuning
+from crossbow_mpi.data import ArrayDataset, synthetic_dataset
+from crossbow_mpi.metrics import MetricsLog, Progress
+
+BATCH = 4
+SAMPLES = 768
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
+                         nn.Linear(32, 10))
+
+
+class RecordingDataset(ArrayDataset):
+    """An ArrayDataset that records every training sample index it hands out."""
+
+    def __init__(self, data: ArrayDataset):
+        super().__init__(data.inputs, data.targets, num_classes=data.num_classes)
+        self.taken: list[int] = []
+
+    def get_batch(self, indices):
+        self.taken += indices.tolist()
+        return super().get_batch(indices)
+
+
+def datasets():
+    data = synthetic_dataset((1, 6, 6), 10, SAMPLES + 200, seed=2)
+    train = ArrayDataset(data.inputs[:SAMPLES], data.targets[:SAMPLES], num_classes=10)
+    test = ArrayDataset(data.inputs[SAMPLES:], data.targets[SAMPLES:], num_classes=10)
+    return train, test
+
+
+def config(run_dir, **overrides) -> Config:
+    values = dict(run_dir=str(run_dir), learners=2, batch_size=BATCH, epochs=1, eval_every=0, target_accuracy=0,
+                  checkpoint_every=0, keep_checkpoints=20, seed=3, lr=0.05, threads=1, engine="sequential")
+    values.update(overrides)
+    return Config(**values)
+
+
+def state_bits(run) -> list[torch.Tensor]:
+    return [run.central.z.clone(), run.central.u.clone(), run.learners.weights.clone(),
+            run.learners.momentum.clone()]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
+def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm):
+    train, _ = datasets()
+    run = Trainer(config(shared_tmp, algorithm=algorithm), comm).start(mlp, train)
+    for _ in range(3):
+        run.train_step(0.05)
+    snapshot = run.state_dict()
+    runs = []
+    for _ in range(2):
+        run.load_state_dict(snapshot)
+        for _ in range(20):
+            run.train_step(0.05)
+        runs.append((state_bits(run), run.state.to_dict(), torch.rand(3)))
+    (first, first_state, first_rng), (second, second_state, second_rng) = runs
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert first_state == second_state and first_state["iteration"] == 23
+    assert torch.equal(first_rng, second_rng)
+    assert not torch.equal(first[0], snapshot["central"]["z"]), "the 20 steps changed nothing"
+
+
+class HalveLrAt:
+    """A controller that halves the learning rate and sets momentum 0.5 once, at an iteration."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def __call__(self, run, step):
+        if run.state.iteration == self.iteration:
+            return {"lr": run.hp.lr / 2, "momentum": 0.5}
+        return None
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_controller_changes_hyperparameters_which_are_recorded_and_checkpointed(comm, shared_tmp):
+    train, test = datasets()
+    plain = Trainer(config(shared_tmp / "plain"), comm).fit(mlp, train, test)
+    controlled = Trainer(config(shared_tmp / "controlled"), comm).fit(mlp, train, test, controllers=[HalveLrAt(5)])
+    assert not torch.equal(plain.central, controlled.central)
+    if comm.rank == 0:
+        records = [json.loads(line) for line in (shared_tmp / "controlled" / "metrics.jsonl").read_text().splitlines()]
+        changes = [r for r in records if r.get("event") == "hyperparams"]
+        assert changes == [{"event": "hyperparams", "iteration": 5, "time_s": changes[0]["time_s"],
+                            "changes": {"lr": [0.05, 0.025], "momentum": [0.9, 0.5]}}]
+        with h5py.File(list_checkpoints(str(shared_tmp / "controlled"))[-1]) as f:
+            assert json.loads(f["ranks/0"].attrs["hyperparams"])["lr"] == 0.025
+    comm.barrier()
+    unchanged = Trainer(config(shared_tmp / "unchanged"), comm).fit(mlp, train, test, controllers=[lambda run, step: {
+        "lr": 0.05}])
+    assert torch.equal(plain.central, unchanged.central)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_of_format_1_stops_with_one_line_naming_the_format(comm, shared_tmp):
+    if comm.rank == 0:
+        with h5py.File(checkpoint_path(str(shared_tmp), 7), "w") as f:
+            f.attrs["format_version"] = 1
+            f.attrs["complete"] = True
+    comm.barrier()
+    train, test = datasets()
+    with pytest.raises(ConfigError, match=r"no valid checkpoint .*format version 1 \(expected 2\)") as caught:
+        Trainer(config(shared_tmp, resume=True), comm).fit(mlp, train, test)
+    assert "\n" not in str(caught.value)
+
+
+CHECKPOINT_AT = 20
+"""Iteration of the checkpoint every reshard resumes from: 20 steps of 2 ranks × 2 learners × 4 samples."""
+
+
+def restore(scope, cfg, train):
+    """Build a run on `scope` and restore the newest checkpoint into it, as `fit` does."""
+    run = Trainer(cfg, scope).start(mlp, train)
+    metrics, progress = MetricsLog(cfg.run_dir, False), Progress(0, False)
+    Checkpoints(cfg, scope, Tuning(cfg, scope, run, torch.device("cpu"), 1, metrics, progress)).restore(run)
+    return run
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("ranks, learners", [(1, 2), (4, 2), (2, 3), (2, 1)])
+def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, learners):
+    """Train at -n 2, k = 2 to a checkpoint, then resume on `ranks` ranks with `learners` learners each."""
+    train, test = datasets()
+    first = comm.split(comm.rank < 2, comm.rank)
+    before = RecordingDataset(train)
+    origin = shared_tmp / "origin"
+    epochs = CHECKPOINT_AT * 2 * 2 * BATCH / SAMPLES
+    taken_before = None
+    if comm.rank < 2:
+        Trainer(config(origin, epochs=epochs), first).fit(mlp, before, test)
+        taken_before = sum(first.allgather_json(before.taken), [])
+    taken_before = comm.bcast_json(taken_before)
+    run_dir = shared_tmp / "resumed"
+    if comm.rank == 0:
+        shutil.copytree(origin, run_dir)
+    comm.barrier()
+    scope = comm.split(comm.rank < ranks, comm.rank)
+    if comm.rank < ranks:
+        cfg = config(run_dir, learners=learners, resume=True)
+        run = restore(scope, cfg, train)
+        saved = checkpoint_path(str(origin), CHECKPOINT_AT)
+        with h5py.File(saved) as f:
+            z = torch.from_numpy(f["central/z"][...])
+            held = f[f"ranks/{scope.rank}/weights"][...] if scope.rank < 2 else None
+        assert torch.equal(run.central.z, z)
+        assert run.learners.k == learners and run.state.iteration == CHECKPOINT_AT
+        for j in range(learners):
+            if held is not None and j < len(held):
+                assert torch.equal(run.learners.weights[j], torch.from_numpy(held[j]))
+            else:
+                assert torch.equal(run.learners.weights[j], z) and not run.learners.momentum[j].any()
+
+        after = RecordingDataset(train)
+        Trainer(cfg, scope).fit(mlp, after, test)
+        epoch = taken_before + sum(scope.allgather_json(after.taken), [])
+        assert len(epoch) == len(set(epoch)), "a sample was trained on twice in the epoch"
+        assert SAMPLES - len(epoch) < ranks * learners * BATCH, "samples of the epoch were skipped"
+
+        reaching = config(shared_tmp / f"reach-{ranks}-{learners}", learners=learners, epochs=6, target_accuracy=0.45)
+        if scope.rank == 0:
+            shutil.copytree(origin, reaching.run_dir)
+        scope.barrier()
+        result = Trainer(dataclasses.replace(reaching, resume=True), scope).fit(mlp, train, test)
+        assert result.reached and result.iterations > CHECKPOINT_AT
+    comm.barrier()
+
