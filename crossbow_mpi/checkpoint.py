@@ -138,6 +138,12 @@ def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
+def read_central(path: Path) -> tuple[torch.Tensor, str]:
+    """Return a valid checkpoint's central model z and its layout signature."""
+    with h5py.File(path, "r") as f:
+        return torch.from_numpy(f["central/z"][...]), f.attrs["layout_signature"]
+
+
 def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict, list[str]]:
     """Read the newest valid checkpoint (collective); return this rank's snapshot and notes.
 

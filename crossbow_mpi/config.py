@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import tomllib
@@ -17,6 +18,13 @@ EAGER_MODES = ("solo", "majority")
 
 class ConfigError(ValueError):
     """A user mistake in the configuration or its inputs; reported as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
 
 
 @dataclass

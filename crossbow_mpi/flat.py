@@ -79,6 +79,16 @@ class FlatLayout:
         for s in self.buffer_slots:
             modules[s.module]._buffers[s.name] = state[s.offset:s.offset + s.numel].view(s.shape)
 
+    @torch.no_grad()
+    def load(self, model: nn.Module, state: torch.Tensor) -> nn.Module:
+        """Copy a state vector into the model's parameters and float buffers (the model keeps its own storage);
+        return the model."""
+        assert state.shape == (self.num_state,)
+        tensors = _module_tensors(model)
+        for s in self.param_slots + self.buffer_slots:
+            tensors[(s.module, s.name)].copy_(state[s.offset:s.offset + s.numel].view(s.shape))
+        return model
+
     def grads_are_bound(self, model: nn.Module, grad: torch.Tensor) -> bool:
         """Tell whether every gradient of the model still lives in `grad` (autograd did not replace it)."""
         modules = dict(model.named_modules())

@@ -11,16 +11,11 @@ import sys
 
 from crossbow_mpi import runtime
 from crossbow_mpi.checkpoint import CheckpointError
-from crossbow_mpi.config import Config, ConfigError, coerce, load_toml
+from crossbow_mpi.config import ArgumentParser, Config, ConfigError, coerce, load_toml
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -36,7 +31,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m crossbow_mpi.train",
+    parser = ArgumentParser(prog="python -m crossbow_mpi.train",
                      description="Train a model over MPI ranks with several learners per device "
                                  "(SMA, synchronous SGD or eager-SGD).",
                      argument_default=argparse.SUPPRESS, allow_abbrev=False)

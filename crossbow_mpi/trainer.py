@@ -22,6 +22,7 @@ from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.components import Clock, Components, Controller, DivergenceError
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.engines import build_engine, check_engine
+from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
@@ -48,6 +49,17 @@ class FitResult:
     """Learners per rank at the end."""
     preempted: bool = False
     """Whether the run stopped early on a stop signal, after writing a checkpoint to resume from."""
+    _model_fn: Callable[[], nn.Module] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def model(self) -> nn.Module:
+        """Return a new `model_fn()` module holding the final z (frozen parameters and integer buffers are the
+        new module's own)."""
+        module = self._model_fn()
+        return FlatLayout(module).load(module, self.central)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Return the final model's named parameters and buffers, as `model().state_dict()`."""
+        return self.model().state_dict()
 
 
 def agree(comm: Communicator, check: Callable[[], object]):
@@ -164,7 +176,8 @@ class Trainer:
 def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -> FitResult:
     return FitResult(reached=reached, time_to_accuracy_s=run.state.time_to_accuracy_s, test_accuracy=accuracy,
                      iterations=run.state.iteration, epochs=run.epoch_progress,
-                     central=run.central.z.detach().cpu().clone(), learners=run.learners.k, preempted=preempted)
+                     central=run.central.z.detach().cpu().clone(), learners=run.learners.k, preempted=preempted,
+                     _model_fn=run.learners.model_fn)
 
 
 def _check_test_set(test_set) -> None:

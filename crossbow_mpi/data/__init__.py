@@ -4,6 +4,7 @@ from .datasets import (
     DataError,
     build_dataset,
     dataset_names,
+    dataset_shape,
     load_cifar10,
     load_mnist,
     sha256_file,

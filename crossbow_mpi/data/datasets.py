@@ -20,6 +20,7 @@ _SUMS_LINE = re.compile(r"(?P<digest>[0-9a-fA-F]{64}) [ *](?P<name>.+)")
 MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
 MNIST_IMAGE_SIZE = 28
+MNIST_IMAGE_SHAPE = (1, MNIST_IMAGE_SIZE, MNIST_IMAGE_SIZE)
 MNIST_NUM_CLASSES = 10
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -310,15 +311,26 @@ def _build_synthetic(
     return train, test
 
 
+SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
+    "mnist": (MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES),
+    "cifar10": (CIFAR10_IMAGE_SHAPE, CIFAR10_NUM_CLASSES),
+    "synthetic-mnist": (MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES),
+    "synthetic-cifar": (CIFAR10_IMAGE_SHAPE, CIFAR10_NUM_CLASSES),
+}
+"""Each dataset's input shape (without the batch dimension) and number of classes."""
+
+
+def _synthetic(name: str, train_size: int, test_size: int) -> Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]:
+    input_shape, num_classes = SHAPES[name]
+    return functools.partial(_build_synthetic, input_shape=input_shape, num_classes=num_classes,
+                             train_size=train_size, test_size=test_size)
+
+
 DATASETS: dict[str, Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]] = {
     "mnist": functools.partial(_build_real, load_mnist),
     "cifar10": functools.partial(_build_real, load_cifar10),
-    "synthetic-mnist": functools.partial(
-        _build_synthetic, input_shape=(1, 28, 28), num_classes=10, train_size=60000, test_size=10000
-    ),
-    "synthetic-cifar": functools.partial(
-        _build_synthetic, input_shape=(3, 32, 32), num_classes=10, train_size=50000, test_size=10000
-    ),
+    "synthetic-mnist": _synthetic("synthetic-mnist", train_size=60000, test_size=10000),
+    "synthetic-cifar": _synthetic("synthetic-cifar", train_size=50000, test_size=10000),
 }
 
 
@@ -328,6 +340,16 @@ def dataset_names() -> list[str]:
 
 def build_dataset(name: str, data_dir: str, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
     """Return the (train, test) datasets for `name`; `data_dir` holds the files, synthetic sets ignore it."""
+    _check_known(name)
+    return DATASETS[name](data_dir, seed)
+
+
+def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
+    """Return (input shape, number of classes) of dataset `name` without loading it."""
+    _check_known(name)
+    return SHAPES[name]
+
+
+def _check_known(name: str) -> None:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(dataset_names())}")
-    return DATASETS[name](data_dir, seed)

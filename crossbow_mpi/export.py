@@ -1,0 +1,91 @@
+"""Command line: `python -m crossbow_mpi.export RUN_DIR [--checkpoint FILE] --out model.safetensors` writes a run's
+trained model z (parameters and float buffers) as a named `state_dict` in safetensors format, with no pickle:
+
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from safetensors.torch import save
+from torch import nn
+
+from crossbow_mpi import checkpoint
+from crossbow_mpi.config import ArgumentParser, Config, ConfigError
+from crossbow_mpi.data import dataset_shape
+from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.models import build_model
+from crossbow_mpi.train import EXIT_USER_ERROR
+
+
+
+def read_config(run_dir: str) -> Config:
+    """Return the configuration a run directory was trained with (its config.json)."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory")
+    path = Path(run_dir) / "config.json"
+    try:
+        return Config.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (not a crossbow_mpi run directory?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: unreadable ({err})") from None
+
+
+def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Module, Config, Path]:
+    """Rebuild the run's model from config.json and load z from a checkpoint (default: the newest valid one);
+    return the model, the config and the checkpoint's path."""
+    config = read_config(run_dir)
+    path = Path(checkpoint_file) if checkpoint_file else _newest(run_dir)
+    problem = "no such file" if not path.is_file() else checkpoint.check(path)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
+    z, signature = checkpoint.read_central(path)
+    module = build_model(config.model, *dataset_shape(config.dataset))
+    layout = FlatLayout(module)
+    if signature != layout.signature or z.numel() != layout.num_state:
+        raise ConfigError(f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
+                          f"on {config.dataset} (layout {layout.signature})")
+    return layout.load(module, z), config, path
+
+
+def _newest(run_dir: str) -> Path:
+    path, skipped = checkpoint.newest_valid(run_dir)
+    if path is None:
+        raise ConfigError(f"no valid checkpoint in {run_dir}" + (f" ({'; '.join(skipped)})" if skipped else ""))
+    return path
+
+
+def export(run_dir: str, out: str, checkpoint_file: str | None = None) -> tuple[Path, int]:
+    """Write the run's model as a safetensors state_dict to `out`; return the checkpoint used and the tensor count."""
+    module, config, path = load_model(run_dir, checkpoint_file)
+    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
+    metadata = {"model": config.model, "dataset": config.dataset, "checkpoint": path.name}
+    try:
+        Path(out).write_bytes(save(tensors, metadata=metadata))
+    except OSError as err:
+        raise ConfigError(f"--out {out}: {err.strerror or err}") from None
+    return path, len(tensors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m crossbow_mpi.export",
+                     description="Write a run's trained model as a safetensors state_dict.", allow_abbrev=False)
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.json and checkpoints)")
+    parser.add_argument("--checkpoint", metavar="FILE", help="checkpoint to export (default: the newest valid one)")
+    parser.add_argument("--out", metavar="FILE", required=True, help="the .safetensors file to write")
+    try:
+        args = parser.parse_args(argv)
+        path, count = export(args.run_dir, args.out, args.checkpoint)
+    except ValueError as err:
+        print(f"crossbow_mpi.export: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"wrote {args.out}: {count} tensors from {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
