@@ -1,0 +1,201 @@
+"""Command line: `python -m crossbow_mpi.report RUN_DIR [RUN_DIR ...] --out report.png` draws runs side by side from
+their metrics.jsonl (and config.json for the legend), and prints each run's time to target and final accuracy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from crossbow_mpi.config import ArgumentParser, ConfigError
+from crossbow_mpi.train import EXIT_USER_ERROR
+
+EAGER_FRESH = "eager_fresh_per_round"
+
+
+@dataclass
+class RunRecords:
+    """One run directory's records."""
+
+    label: str
+    """Legend entry: the directory's name, its algorithm and key settings."""
+    config: dict
+    """config.json (empty when absent)."""
+    evaluations: list[dict]
+    """Evaluation records, in order."""
+    events: list[dict]
+    """Records with an `event` key (autotune, hyperparams, summary, preempted)."""
+
+    def of(self, event: str) -> list[dict]:
+        return [r for r in self.events if r["event"] == event]
+
+    def time_to_target(self) -> float | None:
+        """Seconds to the first evaluation at or above the config's target accuracy (as the trainer counts)."""
+        target = self.config.get("target_accuracy", 0)
+        return next((r["time_s"] for r in self.evaluations if r["test_accuracy"] >= target > 0), None)
+
+
+def read_run(run_dir: str) -> RunRecords:
+    """Read a run directory's records; ConfigError when they are missing, empty or malformed."""
+    directory = Path(run_dir)
+    if not directory.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory")
+    path = directory / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (not a crossbow_mpi run directory?)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: unreadable ({err})") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{path}: line {number} is not JSON") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}: line {number} is not a JSON object")
+        records.append(record)
+    evaluations = [r for r in records if "event" not in r and "test_accuracy" in r]
+    if not evaluations:
+        raise ConfigError(f"{path}: no evaluation records" + ("" if records else " (empty file)"))
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{config_path}: unreadable ({err})") from None
+    events = [r for r in records if "event" in r]
+    return RunRecords(_label(directory.resolve().name, config, events), config, evaluations, events)
+
+
+def _label(name: str, config: dict, events: list[dict]) -> str:
+    if not config:
+        return name
+    ranks = next((r["world_size"] for r in events if r["event"] == "summary"), "?")
+    extra = f", {config['eager_mode']}" if config["algorithm"] == "eager" else ""
+    return (f"{name}: {config['algorithm']}{extra}, {config['model']}/{config['dataset']}, {ranks} rank(s) × "
+            f"{config['learners']} learners, batch {config['batch_size']}, lr {config['lr']:g}")
+
+
+def summary_line(run: RunRecords) -> str:
+    """One line: final accuracy, when and after how much training, and the time to the target."""
+    last = run.evaluations[-1]
+    target = run.config.get("target_accuracy", 0)
+    reached = run.time_to_target()
+    if target <= 0:
+        outcome = "no target"
+    elif reached is None:
+        outcome = f"target {target:.2%} not reached"
+    else:
+        outcome = f"target {target:.2%} reached in {reached:.1f} s"
+    unfinished = "" if run.of("summary") else "; no summary record (stopped early or still running)"
+    return (f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
+            f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{unfinished}")
+
+
+def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
+    """Return (title, x label, y label, draw(ax, run, color)) for every panel some run has data for."""
+    panels = [("Test accuracy over time", "training time (s)", "test accuracy", _series("time_s", "test_accuracy")),
+              ("Test accuracy per epoch", "epoch", "test accuracy", _series("epoch", "test_accuracy")),
+              ("Training loss", "epoch", "mean training loss since the last evaluation",
+               _series("epoch", "train_loss")),
+              ("Throughput", "training time (s)", "samples/s (all ranks)", _series("time_s", "samples_per_s")),
+              ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
+              ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams)]
+    if any(EAGER_FRESH in r for run in runs for r in run.evaluations):
+        panels.append(("eager-SGD: fresh contributions per round (solid),\nsynchronous share of rounds (dashed)",
+                       "training time (s)", "per round", _draw_eager))
+    return panels
+
+
+def _series(x: str, y: str):
+    def draw(ax, run: RunRecords, color) -> None:
+        ax.plot([r[x] for r in run.evaluations], [r[y] for r in run.evaluations], color=color, marker=".")
+    return draw
+
+
+def _draw_learners(ax, run: RunRecords, color) -> None:
+    points = sorted([(r["time_s"], r["learners"]) for r in run.evaluations + run.of("autotune")])
+    ax.step([t for t, _ in points], [k for _, k in points], where="post", color=color)
+
+
+def _draw_hyperparams(ax, run: RunRecords, color) -> None:
+    ax.step([r["time_s"] for r in run.evaluations], [r["lr"] for r in run.evaluations], where="pre", color=color)
+    for change in run.of("hyperparams"):
+        ax.axvline(change["time_s"], color=color, linestyle=":")
+        text = ", ".join(f"{name} {old:g}→{new:g}" for name, (old, new) in change["changes"].items())
+        ax.annotate(text, (change["time_s"], 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                    ha="right", fontsize=7, color=color)
+
+
+def _draw_eager(ax, run: RunRecords, color) -> None:
+    rows = [r for r in run.evaluations if EAGER_FRESH in r]
+    times = [r["time_s"] for r in rows]
+    ax.plot(times, [r[EAGER_FRESH] for r in rows], color=color, marker=".")
+    ax.plot(times, [r["eager_sync_rounds"] / max(r["eager_rounds"], 1) for r in rows], color=color, linestyle="--")
+
+
+def draw(runs: list[RunRecords]):
+    """Return a matplotlib figure with one panel per quantity and one line (colour) per run."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("matplotlib is not installed (pip install 'crossbow_mpi[report]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(runs)
+    columns = 3
+    rows = -(-len(panels) // columns)
+    legend_height = 0.25 * len(runs) + 0.2
+    height = 4.2 * rows + legend_height
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, height), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, xlabel, ylabel, draw_run) in zip(axes.flat, panels):
+        for index, run in enumerate(runs):
+            draw_run(ax, run, colors[index % len(colors)])
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    handles = [plt.Line2D([], [], color=colors[i % len(colors)]) for i in range(len(runs))]
+    figure.legend(handles, [run.label for run in runs], loc="lower center", ncol=1, fontsize=9)
+    figure.tight_layout(rect=(0, legend_height / height, 1, 1))
+    return figure
+
+
+def report(run_dirs: list[str], out: str) -> list[str]:
+    """Draw the runs into `out` (PNG); return each run's summary line."""
+    runs = [read_run(run_dir) for run_dir in run_dirs]
+    figure = draw(runs)
+    try:
+        figure.savefig(out, dpi=100)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--out {out}: {getattr(err, 'strerror', None) or err}") from None
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+    return [summary_line(run) for run in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m crossbow_mpi.report", allow_abbrev=False,
+                            description="Draw runs side by side and print their time to target and final accuracy.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl)")
+    parser.add_argument("--out", metavar="FILE", required=True, help="the image to write (PNG)")
+    try:
+        args = parser.parse_args(argv)
+        lines = report(args.run_dirs, args.out)
+    except ConfigError as err:
+        print(f"crossbow_mpi.report: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""`python -m crossbow_mpi.report` over real run directories, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_job
+from crossbow_mpi import Trainer
+from crossbow_mpi.report import draw, read_run
+from test_export import self_comm
+from test_snapshots import HalveLrAt, config, datasets, mlp
+
+RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.2", "--eval-every", "2000",
+       "--target-accuracy", "0.45"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run directories of an auto-tuned SMA run and an eager-SGD run (CLI, two ranks), and of a run whose
+    learning rate a controller halves (API, one rank)."""
+    base = tmp_path_factory.mktemp("runs")
+    for name, extra in {"auto": ["--learners", "auto", "--autotune-interval", "10"],
+                        "eager": ["--algorithm", "eager", "--learners", "2"]}.items():
+        job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
+        assert job.returncode == 0, job.stderr
+    train, test = datasets()
+    Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test,
+                                                                          controllers=[HalveLrAt(5)])
+    return [base / "auto", base / "eager", base / "controlled"]
+
+
+def report(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "crossbow_mpi.report", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_report_writes_a_png_and_a_summary_of_each_run(runs, tmp_path):
+    out = tmp_path / "report.png"
+    done = report(*map(str, runs), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    for run_dir in runs:
+        last = [r for r in records(run_dir) if "test_accuracy" in r][-1]
+        assert f"{run_dir.name}: " in done.stdout
+        assert f"final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s" in done.stdout
+    summary = [r for r in records(runs[1]) if r.get("event") == "summary"][0]
+    if summary["reached"]:
+        assert f"target 45.00% reached in {summary['time_to_accuracy_s']:.1f} s" in done.stdout
+    else:
+        assert "target 45.00% not reached" in done.stdout
+
+
+def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
+    loaded = [read_run(str(run_dir)) for run_dir in runs]
+    figure = draw(loaded)
+    titles = [ax.get_title() for ax in figure.axes]
+    assert all(ax.get_xlabel() and ax.get_ylabel() and ax.get_title() for ax in figure.axes)
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == [run.label for run in loaded]
+    assert any(title.startswith("eager-SGD") for title in titles)
+    assert "2 rank(s) × auto learners" in loaded[0].label and "eager, solo" in loaded[1].label
+    panel = dict(zip(titles, figure.axes))
+    learners = panel["Learners per rank"].lines[0].get_ydata()
+    assert len(set(learners)) > 1, "the auto-tuner's changes are drawn"
+    assert any("lr 0.05→0.025" in text.get_text() for text in panel["Learning rate and hyper-parameter changes"].texts)
+    assert not any(title.startswith("eager-SGD") for title in (ax.get_title() for ax in draw(loaded[:1]).axes))
+
+
+def bad_input(runs, tmp_path, case: str) -> list[str]:
+    """Return report's arguments for a user mistake."""
+    out = ["--out", str(tmp_path / "report.png")]
+    if case == "missing dir":
+        return [str(tmp_path / "nowhere"), *out]
+    if case == "no metrics":
+        return [str(tmp_path), *out]
+    if case == "empty metrics":
+        (tmp_path / "metrics.jsonl").write_text("")
+        return [str(runs[0]), str(tmp_path), *out]
+    if case == "no evaluation":
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "preempted", "iteration": 3, "time_s": 1}) + "\n")
+        return [str(tmp_path), *out]
+    if case == "not json":
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(records(runs[0])[0]) + "\n{\"time_s\": 1,\n")
+        return [str(tmp_path), *out]
+    if case == "unwritable out":
+        return [str(runs[0]), "--out", str(tmp_path / "no-such-dir" / "report.png")]
+    assert case == "no out"
+    return [str(runs[0])]
+
+
+ERRORS = {"missing dir": "no such run directory", "no metrics": "metrics.jsonl: missing",
+          "empty metrics": "no evaluation records (empty file)", "no evaluation": "no evaluation records",
+          "not json": "line 2 is not JSON", "unwritable out": "--out", "no out": "required: --out"}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_bad_input_exits_2_with_one_line(runs, tmp_path, case):
+    done = report(*bad_input(runs, tmp_path, case))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("crossbow_mpi.report: error: ") and ERRORS[case] in lines[0]
+    assert not (tmp_path / "report.png").exists()
