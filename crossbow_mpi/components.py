@@ -256,7 +256,7 @@ class Components:
               controllers: Sequence[Controller], device: torch.device) -> "Components":
         """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
         world = topology.world
-        metrics = MetricsLog(config.run_dir, world.rank == 0)
+        metrics = MetricsLog(config.run_dir, world.rank == 0, config.tensorboard)
         progress = Progress(int(config.epochs * run.num_samples), world.rank == 0)
         tuning = Tuning(config, world, run, device, topology.local_size, metrics, progress)
         checkpoints = Checkpoints(config, world, tuning)
@@ -278,3 +278,4 @@ class Components:
 
     def close(self) -> None:
         self.watchdog.close()
+        self.metrics.close()

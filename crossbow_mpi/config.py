@@ -106,11 +106,15 @@ class Config:
     """How many of the newest checkpoints to keep in the run directory."""
     resume: bool = False
     """Continue from the newest valid checkpoint in `run_dir`."""
+    tensorboard: bool = False
+    """Also write the evaluation records as TensorBoard scalars to `run_dir`/tensorboard (needs the `tensorboard`
+    package); metrics.jsonl stays the complete record."""
 
     def validate(self, algorithms) -> None:
         """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names."""
         from crossbow_mpi.data import dataset_names
         from crossbow_mpi.imbalance import parse_imbalance
+        from crossbow_mpi.metrics import summary_writer_class
         from crossbow_mpi.models import model_names
 
         choices = {
@@ -148,6 +152,8 @@ class Config:
         if not self.momentum < 1 or not self.central_momentum < 1:
             raise ConfigError("--momentum and --central-momentum must be below 1")
         parse_imbalance(self.inject_imbalance, self.seed)
+        if self.tensorboard:
+            summary_writer_class()
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
 

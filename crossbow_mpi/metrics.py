@@ -1,4 +1,4 @@
-"""Run records: metrics.jsonl and config.json on rank 0, and a progress display."""
+"""Run records: metrics.jsonl (and optionally TensorBoard scalars) on rank 0, and a progress display."""
 
 from __future__ import annotations
 
@@ -6,18 +6,45 @@ import json
 import sys
 from pathlib import Path
 
+from crossbow_mpi.config import ConfigError
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def summary_writer_class():
+    """Return torch's TensorBoard SummaryWriter; ConfigError when the tensorboard package is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'crossbow_mpi[tensorboard]'") \
+            from None
+    return SummaryWriter
+
 
 class MetricsLog:
-    """Append JSON records to RUN_DIR/metrics.jsonl (rank 0 only; other ranks write nothing)."""
+    """Append JSON records to RUN_DIR/metrics.jsonl (rank 0 only; other ranks write nothing). With `tensorboard`,
+    also write each evaluation record's numbers as scalars at its iteration to RUN_DIR/tensorboard; metrics.jsonl
+    stays the complete record."""
 
-    def __init__(self, run_dir: str, enabled: bool):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.board = summary_writer_class()(str(Path(run_dir) / TENSORBOARD_DIR)) if enabled and tensorboard else None
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        if self.board is not None and "event" not in record:
+            for name, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "iteration":
+                    self.board.add_scalar(name, value, global_step=record["iteration"])
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 class Progress:
