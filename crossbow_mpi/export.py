@@ -1,5 +1,6 @@
 """Command line: `python -m crossbow_mpi.export RUN_DIR [--checkpoint FILE] --out model.safetensors` writes a run's
-trained model z (parameters and float buffers) as a named `state_dict` in safetensors format, with no pickle:
+trained model z (parameters and float buffers) as a named `state_dict` in safetensors format (plain tensors and
+a JSON header), to load with
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 """
@@ -19,7 +20,6 @@ from crossbow_mpi.data import dataset_shape
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.models import build_model
 from crossbow_mpi.train import EXIT_USER_ERROR
-
 
 
 def read_config(run_dir: str) -> Config:

@@ -116,13 +116,19 @@ def _series(x: str, y: str):
     return draw
 
 
+def _step(ax, points: list[tuple[float, float]], color) -> None:
+    """Draw a value that holds from each (time, value) until the next."""
+    points = sorted(points)
+    ax.step([t for t, _ in points], [v for _, v in points], where="post", color=color)
+
+
 def _draw_learners(ax, run: RunRecords, color) -> None:
-    points = sorted([(r["time_s"], r["learners"]) for r in run.evaluations + run.of("autotune")])
-    ax.step([t for t, _ in points], [k for _, k in points], where="post", color=color)
+    _step(ax, [(r["time_s"], r["learners"]) for r in run.evaluations + run.of("autotune")], color)
 
 
 def _draw_hyperparams(ax, run: RunRecords, color) -> None:
-    ax.step([r["time_s"] for r in run.evaluations], [r["lr"] for r in run.evaluations], where="pre", color=color)
+    changes = [(c["time_s"], c["changes"]["lr"][1]) for c in run.of("hyperparams") if "lr" in c["changes"]]
+    _step(ax, [(r["time_s"], r["lr"]) for r in run.evaluations] + changes, color)
     for change in run.of("hyperparams"):
         ax.axvline(change["time_s"], color=color, linestyle=":")
         text = ", ".join(f"{name} {old:g}→{new:g}" for name, (old, new) in change["changes"].items())

@@ -64,3 +64,16 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, cwd: Path = REPO)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     cmd = mpirun_command(ranks) + [sys.executable, "-m", "crossbow_mpi.train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def run_tool(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` (a single-process tool) in the repository; fail the test on a hang."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def assert_user_error(done: subprocess.CompletedProcess, module: str, message: str) -> None:
+    """Assert that a tool exited with code 2 and one line on stderr, `MODULE: error: ...MESSAGE...`."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"{module}: error: ") and message in lines[0], lines[0]

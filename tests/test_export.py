@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import h5py
 import pytest
@@ -13,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import REPO, run_job
+from conftest import REPO, assert_user_error, run_job, run_tool
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.data import build_dataset, dataset_names, dataset_shape, synthetic_dataset
@@ -35,11 +33,6 @@ def trained(tmp_path_factory):
     return run_dir
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "crossbow_mpi.export", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-
-
 def self_comm():
     from mpi4py import MPI
 
@@ -50,7 +43,7 @@ def self_comm():
 
 def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(trained, tmp_path):
     out = tmp_path / "model.safetensors"
-    done = export(str(trained), "--out", str(out))
+    done = run_tool("crossbow_mpi.export", str(trained), "--out", str(out))
     assert done.returncode == 0, done.stderr
     config = json.loads((trained / "config.json").read_text())
     _, test_set = build_dataset(config["dataset"], config["data_dir"], config["seed"])
@@ -65,7 +58,8 @@ def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(
 def test_an_older_checkpoint_exports_its_own_z(trained, tmp_path):
     older = trained / "checkpoint-000000100.h5"
     out = tmp_path / "older.safetensors"
-    assert export(str(trained), "--checkpoint", str(older), "--out", str(out)).returncode == 0
+    done = run_tool("crossbow_mpi.export", str(trained), "--checkpoint", str(older), "--out", str(out))
+    assert done.returncode == 0, done.stderr
     model = build_model("mlp", *dataset_shape("synthetic-mnist"))
     model.load_state_dict(load_file(out))
     with h5py.File(older) as f:
@@ -102,10 +96,8 @@ ERRORS = {"missing run dir": "no such run directory", "not a run dir": "config.j
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
 def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
-    done = export(*damaged_run(trained, tmp_path, case))
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("crossbow_mpi.export: error: ") and ERRORS[case] in lines[0]
+    done = run_tool("crossbow_mpi.export", *damaged_run(trained, tmp_path, case))
+    assert_user_error(done, "crossbow_mpi.export", ERRORS[case])
     assert not (tmp_path / "m.safetensors").exists()
 
 

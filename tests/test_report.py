@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, run_job
+from conftest import assert_user_error, run_job, run_tool
 from crossbow_mpi import Trainer
 from crossbow_mpi.report import draw, read_run
 from test_export import self_comm
@@ -34,18 +32,13 @@ def runs(tmp_path_factory):
     return [base / "auto", base / "eager", base / "controlled"]
 
 
-def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "crossbow_mpi.report", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-
-
 def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_report_writes_a_png_and_a_summary_of_each_run(runs, tmp_path):
     out = tmp_path / "report.png"
-    done = report(*map(str, runs), "--out", str(out))
+    done = run_tool("crossbow_mpi.report", *map(str, runs), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert out.read_bytes().startswith(PNG_MAGIC)
     for run_dir in runs:
@@ -70,7 +63,8 @@ def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
     panel = dict(zip(titles, figure.axes))
     learners = panel["Learners per rank"].lines[0].get_ydata()
     assert len(set(learners)) > 1, "the auto-tuner's changes are drawn"
-    assert any("lr 0.05→0.025" in text.get_text() for text in panel["Learning rate and hyper-parameter changes"].texts)
+    changes = panel["Learning rate and hyper-parameter changes"].texts
+    assert any("lr 0.05→0.025" in text.get_text() for text in changes)
     assert not any(title.startswith("eager-SGD") for title in (ax.get_title() for ax in draw(loaded[:1]).axes))
 
 
@@ -103,8 +97,6 @@ ERRORS = {"missing dir": "no such run directory", "no metrics": "metrics.jsonl: 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
 def test_bad_input_exits_2_with_one_line(runs, tmp_path, case):
-    done = report(*bad_input(runs, tmp_path, case))
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("crossbow_mpi.report: error: ") and ERRORS[case] in lines[0]
+    done = run_tool("crossbow_mpi.report", *bad_input(runs, tmp_path, case))
+    assert_user_error(done, "crossbow_mpi.report", ERRORS[case])
     assert not (tmp_path / "report.png").exists()
