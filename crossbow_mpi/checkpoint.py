@@ -2,7 +2,8 @@
 
 Layout (format version 2; every JSON value is a string attribute, so `h5dump` shows the whole file):
     /                    attrs: format_version, complete, config (JSON), layout_signature, world_size
-    /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner (JSON)
+    /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner and
+                         algorithm (JSON: the auto-tuner's and the algorithm's own state)
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
     /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r)
@@ -84,6 +85,7 @@ def _write(path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]],
         group = f.create_group("train")
         group.attrs["state"] = json.dumps(train)
         group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
+        group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         f.create_dataset("central/z", data=z)
         f.create_dataset("central/u", data=u)
         for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
@@ -157,7 +159,8 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         learners = {"weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
                     "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel())}
     source = world.rank if mine else 0
-    snapshot = {"train": header["state"], "tuner": header["tuner"], "hyperparams": header["hyperparams"][source],
+    snapshot = {"train": header["state"], "tuner": header["tuner"], "algorithm": header["algorithm"],
+                "hyperparams": header["hyperparams"][source],
                 "k": header["learners"][source],
                 "central": {"z": z, "u": u}, "learners": learners, "rng": json.loads(rng) if mine else None}
     return snapshot, header["notes"]
@@ -186,6 +189,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
         held = int(f.attrs["world_size"])
         return {"path": str(path), "world_size": held, "dtype": f["central/z"].dtype.str,
                 "state": json.loads(f["train"].attrs["state"]), "tuner": json.loads(f["train"].attrs["tuner"]),
+                "algorithm": json.loads(f["train"].attrs["algorithm"]),
                 "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
                 "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
                 "notes": notes + [f"resumed from {path.name}"]}

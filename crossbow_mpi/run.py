@@ -104,7 +104,7 @@ class Run:
         """Return a snapshot of this rank's whole training state (settle and drain first)."""
         return {"train": self.state.to_dict(), "hyperparams": self.hp.to_dict(),
                 "central": self.central.state_dict(), "learners": self.learners.state_dict(),
-                "rng": copy.deepcopy(runtime.rng_state())}
+                "algorithm": self.algorithm.state_dict(), "rng": copy.deepcopy(runtime.rng_state())}
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
@@ -115,6 +115,7 @@ class Run:
         self.state = TrainState.from_dict(snapshot["train"])
         self.hp.update(**snapshot["hyperparams"])
         self.central.load_state_dict(snapshot["central"])
+        self.algorithm.load_state_dict(snapshot["algorithm"])
         rows = snapshot["learners"]
         self.learners.resize(learners or snapshot.get("k") or len(rows["weights"]), self.central.z)
         self.learners.load_state_dict(rows, self.central.z)
