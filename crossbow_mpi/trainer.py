@@ -18,6 +18,7 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import StopAgreement
 from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.engines import build_engine, check_engine
@@ -80,6 +81,7 @@ class Trainer:
 
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
+        runtime.install_abort_on_failure()
         control = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
         agree(control, lambda: config.validate(ALGORITHMS))
         configs = control.allgather_json(dataclasses.asdict(config))
@@ -94,8 +96,10 @@ class Trainer:
         self.comm = comm or agree(control, lambda: build_communicator(control.mpi_comm, config.comm, self.device))
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> FitResult:
-        """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit."""
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+            output_fn: Callable[[object], torch.Tensor] | None = None) -> FitResult:
+        """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit;
+        `output_fn` picks the class scores from the model's output for evaluation (default: the output itself)."""
         cfg, comm = self.config, self.comm
         rank0 = comm.rank == 0
         autotune = cfg.learners == "auto"
@@ -106,8 +110,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         module = model_fn().to(self.device)
         layout = FlatLayout(module)
+        for dataset, role in ((train_set, "training set"), (test_set, "test set")):
+            agree(comm, lambda: check_samples(module, layout.dtype, dataset, role, output_fn))
         central = CentralModel(module, layout)
         comm.broadcast_(central.z)
+        central.broadcast_extra_state(comm)
         learners = Learners(model_fn, layout, central, initial_learners)
         algorithm = ALGORITHMS[cfg.algorithm](cfg, comm, central, learners)
         engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
@@ -144,7 +151,8 @@ class Trainer:
 
         def evaluate() -> dict:
             settle()
-            accuracy, loss = evaluate_model(central.module, test_set, comm, loss_fn)
+            central.check_extra_state(comm)
+            accuracy, loss = evaluate_model(central.module, test_set, comm, loss_fn, output_fn)
             train_loss = comm.allreduce_sum_numbers([state["loss_sum"], state["loss_count"]])
             record = {"time_s": elapsed(), "epoch": epoch_progress(), "iteration": state["iteration"],
                       "samples": state["samples"], "test_accuracy": accuracy, "test_loss": loss,
@@ -204,6 +212,7 @@ class Trainer:
                     time.sleep(self.imbalance.delay(state["iteration"], comm.rank, comm.size,
                                                     time.perf_counter() - step_started))
                 engine.update(algorithm, lr)
+                learners.share_extra_state()
                 divergence.queue(state["iteration"] + 1, engine.after_sync(central.z.sum), losses)
                 stop = stopping.poll()
                 state["offset"] += step_samples
@@ -297,7 +306,7 @@ def _eval_due(cfg: Config, state: dict, sampler: GlobalSampler, learners: int) -
 
 
 @torch.no_grad()
-def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> tuple[float, float]:
+def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn, output_fn=None) -> tuple[float, float]:
     """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
     module.eval()
     device = next(module.parameters()).device
@@ -310,7 +319,8 @@ def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> t
         inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
         outputs = module(inputs)
         loss_sum += float(loss_fn(outputs, targets)) * len(indices)
-        correct += float((outputs.argmax(1) == targets).sum())
+        scores = outputs if output_fn is None else output_fn(outputs)
+        correct += float((scores.argmax(1) == targets).sum())
     correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
     return correct / n, loss_sum / n
 
@@ -325,8 +335,8 @@ def _check_datasets(train_set, test_set, cfg: Config, learners: int, world_size:
 
 
 def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
-    if not rank0:
-        return
+    if not rank0 or cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None:
+        return  # a --resume without a checkpoint stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
