@@ -6,6 +6,7 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
                          algorithm (JSON: the auto-tuner's and the algorithm's own state)
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
+    /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
     /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r)
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
     /ranks/<r>/momentum  [k_r, num_params]
@@ -32,7 +33,7 @@ from crossbow_mpi.config import ConfigError
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
-ARRAYS = ("central/z", "central/u")
+ARRAYS = ("central/z", "central/u", "central/extra")
 
 
 class CheckpointError(RuntimeError):
@@ -88,6 +89,7 @@ def _write(path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]],
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         f.create_dataset("central/z", data=z)
         f.create_dataset("central/u", data=u)
+        f.create_dataset("central/extra", data=np.frombuffer(central["extra"], dtype=np.uint8))
         for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
@@ -152,6 +154,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     arrays = _read_arrays(header["path"], world.size) if world.rank == 0 else {}
     z = _tensor(world.bcast_bytes(arrays.get("z")), header["dtype"])
     u = _tensor(world.bcast_bytes(arrays.get("u")), header["dtype"])
+    extra = world.bcast_bytes(arrays.get("extra"))
     weights, momentum, rng = (world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng"))
     mine = world.rank < header["world_size"]
     learners = None
@@ -162,7 +165,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     snapshot = {"train": header["state"], "tuner": header["tuner"], "algorithm": header["algorithm"],
                 "hyperparams": header["hyperparams"][source],
                 "k": header["learners"][source],
-                "central": {"z": z, "u": u}, "learners": learners, "rng": json.loads(rng) if mine else None}
+                "central": {"z": z, "u": u, "extra": extra}, "learners": learners, "rng": json.loads(rng) if mine else None}
     return snapshot, header["notes"]
 
 
@@ -176,6 +179,7 @@ def _read_arrays(path: str, world_size: int) -> dict:
             return [f[f"ranks/{r}/{name}"][...].tobytes() if r < held else b"" for r in range(world_size)]
 
         return {"z": f["central/z"][...].tobytes(), "u": f["central/u"][...].tobytes(),
+                "extra": f["central/extra"][...].tobytes(),
                 "weights": per_rank("weights"), "momentum": per_rank("momentum"), "rng": per_rank("rng")}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,9 +16,14 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
 
     def write(self, record: dict) -> None:
+        """Append the record as one line of strict JSON: a NaN or infinite value is written as null, and its key is
+        listed under `non_finite`."""
         if self.enabled:
+            non_finite = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+            if non_finite:
+                record = {**record, **dict.fromkeys(non_finite), "non_finite": non_finite}
             with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(record, allow_nan=False) + "\n")
 
 
 class Progress:

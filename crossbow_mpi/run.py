@@ -50,6 +50,7 @@ class Run:
         self.layout = FlatLayout(module)
         self.central = CentralModel(module, self.layout)
         topology.data.broadcast_(self.central.z)
+        self.central.broadcast_extra_state(topology.data)
         self.learners = Learners(model_fn, self.layout, self.central, learners)
         self.hp = HyperParams.from_config(config)
         algorithm = ALGORITHMS[config.algorithm]
@@ -84,6 +85,7 @@ class Run:
             time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
         self.engine.local_step(self.algorithm, lr)
         self.engine.sync(self.algorithm, lr)
+        self.learners.share_extra_state()
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k

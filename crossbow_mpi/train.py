@@ -47,7 +47,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         default = f.default
         help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         if f.type == "bool":
-            parser.add_argument(flag, action="store_const", const=True, help=help_text)
+            parser.add_argument(flag, nargs="?", const=True, metavar="true|false", help=help_text)
         else:
             parser.add_argument(flag, metavar=f.name.upper(), help=help_text)
     if quiet:

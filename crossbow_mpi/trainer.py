@@ -19,8 +19,9 @@ from torch import nn
 from crossbow_mpi import checkpoint, runtime
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
-from crossbow_mpi.components import Clock, Components, Controller, DivergenceError
+from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
 from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.run import Run
@@ -69,6 +70,7 @@ class Trainer:
 
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
+        runtime.install_abort_on_failure()
         world = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
         agree(world, lambda: config.validate(ALGORITHMS))
         configs = world.allgather_json(dataclasses.asdict(config))
@@ -88,25 +90,32 @@ class Trainer:
         """The control scope: every rank of the job."""
         return self.topology.world
 
-    def start(self, model_fn: Callable[[], nn.Module], train_set, loss_fn=F.cross_entropy) -> Run:
-        """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position."""
+    def start(self, model_fn: Callable[[], nn.Module], train_set, loss_fn=F.cross_entropy, test_set=None,
+              output_fn: OutputFn | None = None) -> Run:
+        """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
+        a few samples of each dataset against the model first."""
         cfg, world = self.config, self.topology.world
         learners = 1 if cfg.learners == "auto" else cfg.learners
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
-        return Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        for dataset, role in ((train_set, "training set"), (test_set, "test set")):
+            if dataset is not None:
+                agree(world, lambda: check_samples(run.central.module, run.layout.dtype, dataset, role, output_fn))
+        return run
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-            controllers: Sequence[Controller] = ()) -> FitResult:
+            output_fn: OutputFn | None = None, controllers: Sequence[Controller] = ()) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
+        `output_fn` picks the class scores from the model's output for evaluation (default: the output itself).
         Each controller may change the run's hyper-parameters after any step (see components.Controller)."""
         cfg, world = self.config, self.topology.world
         agree(world, lambda: _check_test_set(test_set))
-        run = self.start(model_fn, train_set, loss_fn)
+        run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
-        parts = Components.build(cfg, self.topology, run, test_set, loss_fn, controllers, self.device)
+        parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
             return self._loop(run, parts)
         finally:
@@ -180,8 +189,8 @@ def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> 
 
 
 def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
-    if not rank0:
-        return
+    if not rank0 or cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None:
+        return  # a --resume without a checkpoint stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
