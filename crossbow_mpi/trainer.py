@@ -81,15 +81,16 @@ class Trainer:
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
         control = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
+        agree(control, runtime.check_launch)
         agree(control, lambda: config.validate(ALGORITHMS))
         configs = control.allgather_json(dataclasses.asdict(config))
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
-        local_rank, self.local_size = runtime.local_rank_and_size(control.mpi_comm)
+        local_rank, self.local_size, cpu_share = runtime.node_placement(control.mpi_comm)
         self.device = agree(control, lambda: runtime.select_device(config.device, local_rank))
         agree(control, lambda: check_engine(config.engine, self.device))
-        self.threads = runtime.set_threads(config.threads, self.local_size)
+        self.threads = runtime.set_threads(config.threads, cpu_share, announce=control.rank == 0)
         self.imbalance = agree(control, lambda: parse_imbalance(config.inject_imbalance, config.seed, control.size))
         self.comm = comm or agree(control, lambda: build_communicator(control.mpi_comm, config.comm, self.device))
 
