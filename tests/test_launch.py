@@ -188,13 +188,13 @@ SRUN_ENDINGS = {
 }
 
 
-def run_slurm(batch_dir, ending: str, *args: str) -> subprocess.CompletedProcess:
+def run_slurm(batch_dir, ending: str, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
     root, env, _ = batch_dir
     run_dir = root / "runs" / "slurm-42"
     run_dir.mkdir(parents=True, exist_ok=True)
     fake_tool(root / "bin", "srun", SRUN_ENDINGS[ending])
     fake_tool(root / "bin", "scontrol", "")
-    env = dict(env, SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="8", RUN_DIR=str(run_dir))
+    env = dict(env, SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="8", RUN_DIR=str(run_dir), **extra_env)
     return subprocess.run(["bash", "launch/slurm.sbatch", *args], capture_output=True, text=True, timeout=60,
                           cwd=root, env=env)
 
@@ -221,6 +221,15 @@ def test_slurm_resumes_and_does_not_requeue_a_crash_after_an_earlier_preemption(
     assert job.returncode == 137
     (srun,) = calls(log)
     assert srun[-1] == "--resume"
+
+
+def test_slurm_array_task_adds_its_line_of_the_sweep_file(batch_dir):
+    root, _, log = batch_dir
+    (root / "sweep.txt").write_text("--lr 0.01\n--lr 0.05 --learners 8\n")
+    job = run_slurm(batch_dir, "crashed", "--epochs", "10", CROSSBOW_SWEEP="sweep.txt", SLURM_ARRAY_TASK_ID="2")
+    assert job.returncode == 137
+    (srun,) = calls(log)
+    assert srun[-7:] == ["runs/slurm-42", "--epochs", "10", "--lr", "0.05", "--learners", "8"]
 
 
 PBS_MPIRUN = f"""trap 'echo '"'"'{PREEMPTED}'"'"' >> "$RUN_DIR/metrics.jsonl"; exit 75' USR1
