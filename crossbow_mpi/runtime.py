@@ -73,8 +73,8 @@ def check_thread_level(provided: int) -> None:
     if provided < MPI.THREAD_MULTIPLE:
         level = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
         raise ConfigError(f"MPI provides MPI_THREAD_{level.get(provided, provided)}, not MPI_THREAD_MULTIPLE, which "
-                          f"the hang watchdog and eager-SGD need: on Cray MPICH export MPICH_MAX_THREAD_SAFETY=multiple, "
-                          f"elsewhere use an MPI built with thread support")
+                          f"the hang watchdog and eager-SGD need: on Cray MPICH export "
+                          f"MPICH_MAX_THREAD_SAFETY=multiple, elsewhere use an MPI built with thread support")
 
 
 def check_launch() -> None:

@@ -87,7 +87,8 @@ def test_an_old_python_stops_before_anything_is_installed(tmp_path, machine):
 def local_cpu_torch_wheel() -> Path | None:
     """A CPU build of torch that pip's configuration here offers from a local directory (find-links), if any."""
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    folders = [v.strip("'") for k, v in (line.split("=", 1) for line in config.splitlines()) if k.endswith("find-links")]
+    folders = [value.strip("'") for key, value in (line.split("=", 1) for line in config.splitlines())
+               if key.endswith("find-links")]
     folders += os.environ.get("PIP_FIND_LINKS", "").split()
     return next((w for f in folders if Path(f).is_dir() for w in sorted(Path(f).glob("torch-*+cpu-*.whl"))), None)
 
