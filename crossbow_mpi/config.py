@@ -89,7 +89,7 @@ class Config:
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
     threads: int = 0
-    """Intra-op threads per rank; 0: the node's cores divided among its ranks."""
+    """Intra-op threads per rank; 0: the CPUs the rank is bound to, shared with the node's ranks bound to them."""
     seed: int = 1
     """Seed of every random generator (combined with the rank where ranks must differ), below 2**32."""
     run_dir: str = "runs/default"

@@ -108,4 +108,7 @@ def run(config: Config, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PREEMPTED:
+        runtime.exit_promptly(code)
+    sys.exit(code)

@@ -72,15 +72,16 @@ class Trainer:
         self.config = config
         runtime.install_abort_on_failure()
         world = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
+        agree(world, runtime.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
         configs = world.allgather_json(dataclasses.asdict(config))
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
-        local_rank, local_size = runtime.local_rank_and_size(world.mpi_comm)
+        local_rank, local_size, cpu_share = runtime.node_placement(world.mpi_comm)
         self.device = agree(world, lambda: runtime.select_device(config.device, local_rank))
         agree(world, lambda: check_engine(config.engine, self.device))
-        self.threads = runtime.set_threads(config.threads, local_size)
+        self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         data = comm or agree(world, lambda: build_communicator(world.mpi_comm, config.comm, self.device))
         self.topology = Topology.data_parallel(world, data, local_rank, local_size)

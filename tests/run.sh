@@ -17,7 +17,7 @@ python -m pytest -q -m "not mpi" tests "$@" || status=$?
 for ranks in 1 2 4; do
     echo "== MPI tests on $ranks rank(s)"
     MPIEXEC_TIMEOUT=$per_run_timeout timeout --kill-after=10 "$per_run_timeout" \
-        mpirun -n "$ranks" "${oversubscribe[@]}" python tests/mpi_pytest.py -q -m mpi --with-mpi tests "$@" \
+        mpirun -n "$ranks" ${oversubscribe[@]+"${oversubscribe[@]}"} python tests/mpi_pytest.py -q -m mpi --with-mpi tests "$@" \
         || status=$?
 done
 exit $status
