@@ -18,6 +18,6 @@ setup(
         "cuda12": ["cupy-cuda12x>=13"],
         "cuda13": ["cupy-cuda13x>=13"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib"],
+        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "ruff"],
     },
 )

@@ -163,9 +163,9 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
                     "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel())}
     source = world.rank if mine else 0
     snapshot = {"train": header["state"], "tuner": header["tuner"], "algorithm": header["algorithm"],
-                "hyperparams": header["hyperparams"][source],
-                "k": header["learners"][source],
-                "central": {"z": z, "u": u, "extra": extra}, "learners": learners, "rng": json.loads(rng) if mine else None}
+                "hyperparams": header["hyperparams"][source], "k": header["learners"][source],
+                "central": {"z": z, "u": u, "extra": extra}, "learners": learners,
+                "rng": json.loads(rng) if mine else None}
     return snapshot, header["notes"]
 
 

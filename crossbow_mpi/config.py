@@ -126,7 +126,8 @@ class Config:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})")
+                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} "
+                                  f"(choose from {', '.join(allowed)})")
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":

@@ -9,6 +9,7 @@ from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.data import synthetic_dataset
+
 from reference import relative_error, sgd_reference, sma_reference
 
 STEPS = 20

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.gpu_selftest import pytest_counts, verdict
+
 from conftest import REPO
 
 

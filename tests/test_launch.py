@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpirun_command
 from crossbow_mpi import runtime
 from crossbow_mpi.config import ConfigError
+
+from conftest import REPO, mpirun_command
 
 SHORT_RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.02", "--eval-every", "0",
              "--target-accuracy", "0", "--learners", "1"]

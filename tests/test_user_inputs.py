@@ -16,11 +16,12 @@ from torch import nn
 from torch.nn.utils import vector_to_parameters
 from torch.utils.data import Dataset
 
-from conftest import REPO, mpirun_command, run_job
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.data import DataError, synthetic_dataset
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.train import parse_config
+
+from conftest import REPO, mpirun_command, run_job
 
 ALGORITHMS = ["sma", "ssgd", "eager"]
 

@@ -18,6 +18,7 @@ from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.tuner import AutoTuner, Policy
+
 from reference import relative_error, sma_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
