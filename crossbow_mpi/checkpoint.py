@@ -2,9 +2,11 @@
 
 Layout (format version 2; every JSON value is a string attribute, so `h5dump` shows the whole file):
     /                    attrs: format_version, complete, config (JSON), layout_signature, world_size
-    /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner (JSON)
+    /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner and
+                         algorithm (JSON: the auto-tuner's and the algorithm's own state)
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
+    /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
     /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r)
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
     /ranks/<r>/momentum  [k_r, num_params]
@@ -31,7 +33,7 @@ from crossbow_mpi.config import ConfigError
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
-ARRAYS = ("central/z", "central/u")
+ARRAYS = ("central/z", "central/u", "central/extra")
 
 
 class CheckpointError(RuntimeError):
@@ -84,8 +86,10 @@ def _write(path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]],
         group = f.create_group("train")
         group.attrs["state"] = json.dumps(train)
         group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
+        group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         f.create_dataset("central/z", data=z)
         f.create_dataset("central/u", data=u)
+        f.create_dataset("central/extra", data=np.frombuffer(central["extra"], dtype=np.uint8))
         for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
@@ -138,10 +142,10 @@ def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def read_central(path: Path) -> tuple[torch.Tensor, str]:
-    """Return a valid checkpoint's central model z and its layout signature."""
+def read_central(path: Path) -> tuple[torch.Tensor, bytes, str]:
+    """Return a valid checkpoint's central model z, z's extra state and the layout signature."""
     with h5py.File(path, "r") as f:
-        return torch.from_numpy(f["central/z"][...]), f.attrs["layout_signature"]
+        return torch.from_numpy(f["central/z"][...]), f["central/extra"][...].tobytes(), f.attrs["layout_signature"]
 
 
 def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict, list[str]]:
@@ -156,6 +160,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     arrays = _read_arrays(header["path"], world.size) if world.rank == 0 else {}
     z = _tensor(world.bcast_bytes(arrays.get("z")), header["dtype"])
     u = _tensor(world.bcast_bytes(arrays.get("u")), header["dtype"])
+    extra = world.bcast_bytes(arrays.get("extra"))
     weights, momentum, rng = (world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng"))
     mine = world.rank < header["world_size"]
     learners = None
@@ -163,9 +168,10 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         learners = {"weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
                     "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel())}
     source = world.rank if mine else 0
-    snapshot = {"train": header["state"], "tuner": header["tuner"], "hyperparams": header["hyperparams"][source],
-                "k": header["learners"][source],
-                "central": {"z": z, "u": u}, "learners": learners, "rng": json.loads(rng) if mine else None}
+    snapshot = {"train": header["state"], "tuner": header["tuner"], "algorithm": header["algorithm"],
+                "hyperparams": header["hyperparams"][source], "k": header["learners"][source],
+                "central": {"z": z, "u": u, "extra": extra}, "learners": learners,
+                "rng": json.loads(rng) if mine else None}
     return snapshot, header["notes"]
 
 
@@ -179,6 +185,7 @@ def _read_arrays(path: str, world_size: int) -> dict:
             return [f[f"ranks/{r}/{name}"][...].tobytes() if r < held else b"" for r in range(world_size)]
 
         return {"z": f["central/z"][...].tobytes(), "u": f["central/u"][...].tobytes(),
+                "extra": f["central/extra"][...].tobytes(),
                 "weights": per_rank("weights"), "momentum": per_rank("momentum"), "rng": per_rank("rng")}
 
 
@@ -192,6 +199,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
         held = int(f.attrs["world_size"])
         return {"path": str(path), "world_size": held, "dtype": f["central/z"].dtype.str,
                 "state": json.loads(f["train"].attrs["state"]), "tuner": json.loads(f["train"].attrs["tuner"]),
+                "algorithm": json.loads(f["train"].attrs["algorithm"]),
                 "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
                 "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
                 "notes": notes + [f"resumed from {path.name}"]}

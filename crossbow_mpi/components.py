@@ -25,6 +25,8 @@ from crossbow_mpi.topology import Topology
 from crossbow_mpi.tuner import AutoTuner, Policy
 from crossbow_mpi.watchdog import Watchdog
 
+OutputFn = Callable[[object], torch.Tensor]
+"""Picks the class scores from a model's output (for models whose forward returns a tuple or a dict)."""
 EVAL_BATCH = 1000
 STOP_LAG = 16
 """Steps between a stop vote and its outcome: ranks may run this far apart, and stop this many steps after a
@@ -74,12 +76,13 @@ class DivergenceCheck:
 class Evaluation:
     """Evaluate z on the test set when due, and write the record with the training window's loss and speed."""
 
-    def __init__(self, config: Config, data: Communicator, test_set, loss_fn, metrics: MetricsLog,
-                 progress: Progress):
+    def __init__(self, config: Config, data: Communicator, test_set, loss_fn, output_fn: OutputFn | None,
+                 metrics: MetricsLog, progress: Progress):
         self.config = config
         self.data = data
         self.test_set = test_set
         self.loss_fn = loss_fn
+        self.output_fn = output_fn
         self.metrics = metrics
         self.progress = progress
         self.window_samples, self.window_seconds = 0, 0.0
@@ -96,7 +99,8 @@ class Evaluation:
     def __call__(self, run: Run, lr: float, elapsed_s: float) -> dict:
         """Evaluate (collective; the run is settled); return the record."""
         state, cfg = run.state, self.config
-        accuracy, loss = evaluate_model(run.central.module, self.test_set, self.data, self.loss_fn)
+        run.central.check_extra_state(self.data)
+        accuracy, loss = evaluate_model(run.central.module, self.test_set, self.data, self.loss_fn, self.output_fn)
         train_loss = self.data.allreduce_sum_numbers([state.loss_sum, state.loss_count])
         record = {"time_s": elapsed_s, "epoch": run.epoch_progress, "iteration": state.iteration,
                   "samples": state.samples, "test_accuracy": accuracy, "test_loss": loss,
@@ -116,7 +120,8 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> tuple[float, float]:
+def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn,
+                   output_fn: OutputFn | None = None) -> tuple[float, float]:
     """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
     module.eval()
     device = next(module.parameters()).device
@@ -129,7 +134,8 @@ def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn) -> t
         inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
         outputs = module(inputs)
         loss_sum += float(loss_fn(outputs, targets)) * len(indices)
-        correct += float((outputs.argmax(1) == targets).sum())
+        scores = outputs if output_fn is None else output_fn(outputs)
+        correct += float((scores.argmax(1) == targets).sum())
     correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
     return correct / n, loss_sum / n
 
@@ -252,7 +258,7 @@ class Components:
     progress: Progress
 
     @classmethod
-    def build(cls, config: Config, topology: Topology, run: Run, test_set, loss_fn,
+    def build(cls, config: Config, topology: Topology, run: Run, test_set, loss_fn, output_fn: OutputFn | None,
               controllers: Sequence[Controller], device: torch.device) -> "Components":
         """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
         world = topology.world
@@ -264,7 +270,7 @@ class Components:
             progress.note(note)
         progress.advance(run.state.samples)
         return cls(schedule=Schedule(config),
-                   evaluation=Evaluation(config, topology.data, test_set, loss_fn, metrics, progress),
+                   evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
                    checkpoints=checkpoints, tuning=tuning, controllers=Controllers(controllers, metrics),
                    divergence=DivergenceCheck(world), stopping=StopAgreement(world, STOP_LAG, runtime.stop_requested),
                    watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -14,6 +15,7 @@ ENGINES = ("auto", "sequential", "threads", "streams")
 COMMS = ("auto", "mpi", "nccl")
 PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
+SEED_LIMIT = 2**32
 
 
 class ConfigError(ValueError):
@@ -95,9 +97,9 @@ class Config:
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
     threads: int = 0
-    """Intra-op threads per rank; 0: the node's cores divided among its ranks."""
+    """Intra-op threads per rank; 0: the CPUs the rank is bound to, shared with the node's ranks bound to them."""
     seed: int = 1
-    """Seed of every random generator (combined with the rank where ranks must differ)."""
+    """Seed of every random generator (combined with the rank where ranks must differ), below 2**32."""
     run_dir: str = "runs/default"
     """Directory for metrics.jsonl, config.json and checkpoints."""
     checkpoint_every: int = 0
@@ -111,11 +113,18 @@ class Config:
     package); metrics.jsonl stays the complete record."""
 
     def validate(self, algorithms) -> None:
-        """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names."""
+        """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names.
+        (`inject_imbalance` is parsed where the job's size is known.)"""
         from crossbow_mpi.data import dataset_names
-        from crossbow_mpi.imbalance import parse_imbalance
         from crossbow_mpi.metrics import summary_writer_class
         from crossbow_mpi.models import model_names
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _has_type(value, f.type):
+                raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {f.type})")
+            if f.type == "float" and not math.isfinite(value):
+                raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
 
         choices = {
             "algorithm": tuple(algorithms),
@@ -129,7 +138,8 @@ class Config:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})")
+                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} "
+                                  f"(choose from {', '.join(allowed)})")
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":
@@ -151,14 +161,17 @@ class Config:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not self.momentum < 1 or not self.central_momentum < 1:
             raise ConfigError("--momentum and --central-momentum must be below 1")
-        parse_imbalance(self.inject_imbalance, self.seed)
+        if self.seed >= SEED_LIMIT:
+            raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if self.tensorboard:
             summary_writer_class()
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """Return the configuration as JSON, with `resume` false: replayed in a new directory, it runs the same
+        run from the start."""
+        return json.dumps({**dataclasses.asdict(self), "resume": False}, sort_keys=True)
 
     @classmethod
     def from_dict(cls, values: dict) -> "Config":
@@ -177,16 +190,36 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _has_type(value, kind: str) -> bool:
+    """Tell whether a field's value has the field's declared type (a bool is not a number; an int is a float)."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int | str":
+        return _has_type(value, "int") or isinstance(value, str)
+    if kind == "float":
+        return _is_number(value)
+    if kind == "str":
+        return isinstance(value, str)
+    assert kind.startswith("tuple[float"), f"unhandled field type {kind}"
+    return isinstance(value, tuple) and all(_is_number(v) and math.isfinite(v) for v in value)
+
+
 def coerce(f: dataclasses.Field, value):
     """Convert a TOML or command-line value to the field's type; ConfigError when it does not fit."""
     kind = f.type
     try:
         if kind == "bool":
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
+            if isinstance(value, bool):
+                return value
+            if not isinstance(value, str) or value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
         if kind == "int | str" and value == "auto":
             return value
         if kind in ("int", "int | str"):
@@ -196,6 +229,8 @@ def coerce(f: dataclasses.Field, value):
                 raise ValueError(value)
             return int(value)
         if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
             return float(value)
         if kind == "str":
             if not isinstance(value, str):
@@ -203,6 +238,8 @@ def coerce(f: dataclasses.Field, value):
             return value
         if kind.startswith("tuple"):
             items = value.split(",") if isinstance(value, str) else list(value)
+            if any(isinstance(v, bool) for v in items):
+                raise ValueError(value)
             return tuple(float(v) for v in items if str(v).strip() != "")
     except (TypeError, ValueError):
         raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {kind})") from None

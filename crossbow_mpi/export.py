@@ -43,13 +43,14 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     problem = "no such file" if not path.is_file() else checkpoint.check(path)
     if problem:
         raise ConfigError(f"{path}: {problem}")
-    z, signature = checkpoint.read_central(path)
+    z, extra, signature = checkpoint.read_central(path)
     module = build_model(config.model, *dataset_shape(config.dataset))
     layout = FlatLayout(module)
-    if signature != layout.signature or z.numel() != layout.num_state:
+    if (signature, z.numel(), len(extra)) != (layout.signature, layout.num_state,
+                                              len(layout.extra_state_bytes(module))):
         raise ConfigError(f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
                           f"on {config.dataset} (layout {layout.signature})")
-    return layout.load(module, z), config, path
+    return layout.load(module, z, extra), config, path
 
 
 def _newest(run_dir: str) -> Path:

@@ -1,9 +1,14 @@
 """Flat buffers: a model's parameters, gradients and float buffers as views into contiguous tensors.
 
-A model's *state* vector is its parameters followed by its floating-point buffers (BatchNorm running
-statistics); its *gradient* vector covers the parameters only. Binding a module to rows of such tensors
+A model's *state* vector is its trainable parameters followed by its floating-point buffers (BatchNorm running
+statistics); its *gradient* vector covers the trainable parameters only. Binding a module to rows of such tensors
 makes every parameter, gradient and buffer a view, so a correction, a reduction over learners or an
 allreduce is one vector operation and one message.
+
+A parameter or buffer that several modules hold (tied weights) has one slot, under the first name that
+`named_parameters()` or `named_buffers()` gives it, and binding gives every module that holds it the same view.
+The rest of a model's state, its *extra state*, stays outside the vectors and is kept by name: frozen parameters
+(`requires_grad=False`) and non-float buffers (BatchNorm's `num_batches_tracked`, counters, index tables).
 """
 
 from __future__ import annotations
@@ -31,25 +36,32 @@ class Slot:
 
 
 class FlatLayout:
-    """Where each parameter and float buffer of a model lives in its flat state vector."""
+    """Where each trainable parameter and float buffer of a model lives in its flat state vector, and which
+    tensors are its extra state."""
 
     def __init__(self, model: nn.Module):
         self.param_slots: list[Slot] = []
         self.buffer_slots: list[Slot] = []
+        self.frozen: list[str] = []
+        """Names of the frozen parameters."""
+        self.non_float_buffers: list[str] = []
+        """Names of the non-float buffers."""
         offset = 0
         dtypes = set()
-        for module_name, module in model.named_modules():
-            for name, param in module.named_parameters(recurse=False):
-                if param.requires_grad:
-                    self.param_slots.append(Slot(module_name, name, tuple(param.shape), offset))
-                    offset += param.numel()
-                    dtypes.add(param.dtype)
+        for path, param in model.named_parameters():
+            if param.requires_grad:
+                self.param_slots.append(_slot(path, param, offset))
+                offset += param.numel()
+                dtypes.add(param.dtype)
+            else:
+                self.frozen.append(path)
         self.num_params = offset
-        for module_name, module in model.named_modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and buffer.is_floating_point():
-                    self.buffer_slots.append(Slot(module_name, name, tuple(buffer.shape), offset))
-                    offset += buffer.numel()
+        for path, buffer in model.named_buffers():
+            if buffer.is_floating_point():
+                self.buffer_slots.append(_slot(path, buffer, offset))
+                offset += buffer.numel()
+            else:
+                self.non_float_buffers.append(path)
         self.num_state = offset
         if self.num_params == 0:
             raise ValueError("the model has no trainable parameters")
@@ -64,29 +76,34 @@ class FlatLayout:
         return hashlib.sha256(json.dumps(slots).encode()).hexdigest()[:16]
 
     def flatten(self, model: nn.Module) -> torch.Tensor:
-        """Return a new state vector holding a copy of the model's parameters and float buffers."""
-        tensors = _module_tensors(model)
-        return torch.cat([tensors[(s.module, s.name)].detach().reshape(-1) for s in self.param_slots + self.buffer_slots])
+        """Return a new state vector holding a copy of the model's trainable parameters and float buffers."""
+        modules = dict(model.named_modules())
+        return torch.cat([getattr(modules[s.module], s.name).detach().reshape(-1)
+                          for s in self.param_slots + self.buffer_slots])
 
     def bind(self, model: nn.Module, state: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        """Make the model's parameters (and gradients) and float buffers views of `state` (and `grad`)."""
+        """Make the model's trainable parameters (and gradients) and float buffers views of `state` (and `grad`)."""
         assert state.shape == (self.num_state,) and (grad is None or grad.shape == (self.num_params,))
         modules = dict(model.named_modules())
         for s in self.param_slots:
-            param = getattr(modules[s.module], s.name)
+            param = getattr(modules[s.module], s.name)  # one Parameter object, however many modules hold it
             param.data = state[s.offset:s.offset + s.numel].view(s.shape)
             param.grad = None if grad is None else grad[s.offset:s.offset + s.numel].view(s.shape)
+        holders = _buffer_holders(model)
         for s in self.buffer_slots:
-            modules[s.module]._buffers[s.name] = state[s.offset:s.offset + s.numel].view(s.shape)
+            view = state[s.offset:s.offset + s.numel].view(s.shape)
+            for module, name in holders[id(getattr(modules[s.module], s.name))]:
+                module._buffers[name] = view
 
     @torch.no_grad()
-    def load(self, model: nn.Module, state: torch.Tensor) -> nn.Module:
-        """Copy a state vector into the model's parameters and float buffers (the model keeps its own storage);
-        return the model."""
+    def load(self, model: nn.Module, state: torch.Tensor, extra: bytes) -> nn.Module:
+        """Copy a state vector and extra state (as `extra_state_bytes` gives it) into the model, which keeps its own
+        storage; return the model."""
         assert state.shape == (self.num_state,)
-        tensors = _module_tensors(model)
+        modules = dict(model.named_modules())
         for s in self.param_slots + self.buffer_slots:
-            tensors[(s.module, s.name)].copy_(state[s.offset:s.offset + s.numel].view(s.shape))
+            getattr(modules[s.module], s.name).copy_(state[s.offset:s.offset + s.numel].view(s.shape))
+        self.load_extra_state_bytes(model, extra)
         return model
 
     def grads_are_bound(self, model: nn.Module, grad: torch.Tensor) -> bool:
@@ -98,11 +115,58 @@ class FlatLayout:
                 return False
         return True
 
+    def extra_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Return the model's frozen parameters and non-float buffers by name (the module's own tensors)."""
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {name: tensors[name].detach() for name in self.frozen + self.non_float_buffers}
 
-def _module_tensors(model: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
-    tensors = {}
-    for module_name, module in model.named_modules():
-        for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if t is not None:
-                tensors[(module_name, name)] = t
-    return tensors
+    def load_extra_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Copy the named tensors of `state` into the model's extra state, in place."""
+        own = self.extra_state(model)
+        with torch.no_grad():
+            for name, value in state.items():
+                own[name].copy_(value)
+
+    def extra_state_bytes(self, model: nn.Module) -> bytes:
+        """Return the model's extra state as raw bytes, tensor after tensor in name order."""
+        return b"".join(map(_raw_bytes, self.extra_state(model).values()))
+
+    def load_extra_state_bytes(self, model: nn.Module, data: bytes) -> None:
+        """Load extra state written by `extra_state_bytes` of an equal layout."""
+        state, offset = {}, 0
+        for name, own in self.extra_state(model).items():
+            size = own.numel() * own.element_size()
+            raw = torch.frombuffer(bytearray(data[offset:offset + size]), dtype=torch.uint8)
+            state[name] = raw.view(own.dtype).view(own.shape)
+            offset += size
+        assert offset == len(data), "extra state of another layout"
+        self.load_extra_state(model, state)
+
+    def extra_state_digests(self, model: nn.Module) -> dict[str, str]:
+        """Return a short digest of each tensor of the model's extra state, by name."""
+        return {name: hashlib.sha256(_raw_bytes(t)).hexdigest()[:16] for name, t in self.extra_state(model).items()}
+
+    def buffer_refs(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """Return (owning module, name) of each non-float buffer: how to read the current tensor cheaply at every
+        sync, even when a module replaces its buffer by a new tensor."""
+        modules = dict(model.named_modules())
+        return [(modules[owner], name) for owner, _, name in (path.rpartition(".") for path in self.non_float_buffers)]
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _slot(path: str, tensor: torch.Tensor, offset: int) -> Slot:
+    module, _, name = path.rpartition(".")
+    return Slot(module, name, tuple(tensor.shape), offset)
+
+
+def _buffer_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Map each buffer tensor's id to every (module, name) that holds it."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                holders.setdefault(id(buffer), []).append((module, name))
+    return holders

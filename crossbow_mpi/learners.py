@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.flat import FlatLayout
 
 
@@ -28,12 +29,35 @@ class CentralModel:
     def buffers(self) -> torch.Tensor:
         return self.z[self.layout.num_params:]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"z": self.z.detach().clone(), "u": self.u.clone()}
+    def state_dict(self) -> dict:
+        """Return z, u and z's extra state (frozen parameters and non-float buffers, as bytes)."""
+        return {"z": self.z.detach().clone(), "u": self.u.clone(),
+                "extra": self.layout.extra_state_bytes(self.module)}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.z.copy_(state["z"])
         self.u.copy_(state["u"])
+        self.layout.load_extra_state_bytes(self.module, state["extra"])
+
+    def broadcast_extra_state(self, comm) -> None:
+        """Give z rank 0's frozen parameters and non-float buffers (collective, at start; over the control plane,
+        which carries any dtype)."""
+        if self.layout.frozen or self.layout.non_float_buffers:
+            data = comm.bcast_bytes(self.layout.extra_state_bytes(self.module) if comm.rank == 0 else None)
+            self.layout.load_extra_state_bytes(self.module, data)
+
+    def check_extra_state(self, comm) -> None:
+        """Raise ConfigError naming z's frozen parameters and non-float buffers that differ between ranks
+        (collective; at every evaluation)."""
+        digests = self.layout.extra_state_digests(self.module)
+        if not digests:
+            return
+        gathered = comm.allgather_json(digests)
+        differing = [name for name in digests if any(d[name] != gathered[0][name] for d in gathered)]
+        if differing:
+            raise ConfigError(f"the model's non-float buffers or frozen parameters {', '.join(differing)} differ "
+                              "between ranks: its forward pass changes them differently on each rank, which "
+                              "crossbow_mpi cannot keep consistent (see the README, Python API)")
 
 
 class Learners:
@@ -42,6 +66,7 @@ class Learners:
     def __init__(self, model_fn: Callable[[], nn.Module], layout: FlatLayout, central: CentralModel, k: int):
         self.model_fn = model_fn
         self.layout = layout
+        self.central = central
         self.modules: list[nn.Module] = []
         self.weights = central.z.new_empty((0, layout.num_state))
         self.grads = central.z.new_empty((0, layout.num_params))
@@ -71,10 +96,13 @@ class Learners:
         self.weights, self.momentum = weights, momentum
         self.grads = self.grads.new_zeros((k, self.layout.num_params))
         while len(self.modules) < k:
-            self.modules.append(self.model_fn().to(device=z.device, dtype=z.dtype))
+            module = self.model_fn().to(device=z.device, dtype=z.dtype)
+            self.layout.load_extra_state(module, self.layout.extra_state(self.central.module))
+            self.modules.append(module)
         del self.modules[k:]
         for j, module in enumerate(self.modules):
             self.layout.bind(module, self.weights[j], self.grads[j])
+        self.buffer_refs = [self.layout.buffer_refs(m) for m in (*self.modules, self.central.module)]
         self.checked: set[int] = set()  # learners whose gradients were seen to land in their rows of `grads`
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -82,7 +110,11 @@ class Learners:
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
-        state's (all of them, for None) start from z with zero momentum, and the state's extra rows are dropped."""
+        state's (all of them, for None) start from z with zero momentum, and the state's extra rows are dropped.
+        Every learner takes z's extra state."""
+        extra = self.layout.extra_state(self.central.module)
+        for module in self.modules:
+            self.layout.load_extra_state(module, extra)
         self.reset_to(z)
         self.momentum.zero_()
         if state is None:
@@ -94,3 +126,10 @@ class Learners:
     def reset_to(self, z: torch.Tensor) -> None:
         """Set every learner's weights to z."""
         self.weights.copy_(z.expand_as(self.weights))
+
+    def share_extra_state(self) -> None:
+        """Give every learner and z learner 0's non-float buffers (at every sync; local, no communication)."""
+        first, *others = self.buffer_refs
+        targets = [owner._buffers[name] for refs in others for owner, name in refs]
+        if targets:  # one multi-tensor copy: BatchNorm gives every model such buffers, so keep it cheap
+            torch._foreach_copy_(targets, [owner._buffers[name] for owner, name in first] * len(others))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 from crossbow_mpi.config import ConfigError
-
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -33,9 +33,14 @@ class MetricsLog:
         self.board = summary_writer_class()(str(Path(run_dir) / TENSORBOARD_DIR)) if enabled and tensorboard else None
 
     def write(self, record: dict) -> None:
+        """Append the record as one line of strict JSON: a NaN or infinite value is written as null, and its key is
+        listed under `non_finite`."""
         if self.enabled:
+            non_finite = [key for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)]
+            if non_finite:
+                record = {**record, **dict.fromkeys(non_finite), "non_finite": non_finite}
             with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(record, allow_nan=False) + "\n")
         if self.board is not None and "event" not in record:
             for name, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "iteration":

@@ -50,6 +50,7 @@ class Run:
         self.layout = FlatLayout(module)
         self.central = CentralModel(module, self.layout)
         topology.data.broadcast_(self.central.z)
+        self.central.broadcast_extra_state(topology.data)
         self.learners = Learners(model_fn, self.layout, self.central, learners)
         self.hp = HyperParams.from_config(config)
         algorithm = ALGORITHMS[config.algorithm]
@@ -84,6 +85,7 @@ class Run:
             time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
         self.engine.local_step(self.algorithm, lr)
         self.engine.sync(self.algorithm, lr)
+        self.learners.share_extra_state()
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k
@@ -104,7 +106,7 @@ class Run:
         """Return a snapshot of this rank's whole training state (settle and drain first)."""
         return {"train": self.state.to_dict(), "hyperparams": self.hp.to_dict(),
                 "central": self.central.state_dict(), "learners": self.learners.state_dict(),
-                "rng": copy.deepcopy(runtime.rng_state())}
+                "algorithm": self.algorithm.state_dict(), "rng": copy.deepcopy(runtime.rng_state())}
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
@@ -115,6 +117,7 @@ class Run:
         self.state = TrainState.from_dict(snapshot["train"])
         self.hp.update(**snapshot["hyperparams"])
         self.central.load_state_dict(snapshot["central"])
+        self.algorithm.load_state_dict(snapshot["algorithm"])
         rows = snapshot["learners"]
         self.learners.resize(learners or snapshot.get("k") or len(rows["weights"]), self.central.z)
         self.learners.load_state_dict(rows, self.central.z)

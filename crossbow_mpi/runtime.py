@@ -1,4 +1,5 @@
-"""Process runtime: MPI start-up, abort on failure, device, threads and seeding."""
+"""Process runtime: MPI start-up and launch checks, abort on failure, placement on the node, device, threads and
+seeding."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from crossbow_mpi.config import ConfigError
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _stop_requested = threading.Event()
 
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID")
+LAUNCHERS = (
+    ("OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),  # Open MPI's mpirun
+    ("PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),  # Hydra (MPICH, Intel MPI) and other PMI launchers
+    ("SLURM_STEP_NUM_TASKS", ("SLURM_LOCALID",)),  # srun
+)
+"""Each launcher's variable for the number of processes it started and its variables for a process's index on
+its node; innermost launcher first, since a process also inherits the variables of the launchers around the one
+that started it (a batch shell's SLURM_LOCALID=0 reaches every rank that a Hydra mpirun starts in it)."""
 
 
 def mpi():
@@ -45,17 +53,65 @@ def install_abort_on_failure() -> None:
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)
 
 
-def local_rank_and_size(comm) -> tuple[int, int]:
-    """Return this rank's index among the ranks of its node, and their number."""
-    node = comm.Split_type(mpi().COMM_TYPE_SHARED)
+def launcher_variables(environ=os.environ) -> tuple[str, tuple[str, ...]] | None:
+    """Return the size and local-rank variable names of the launcher that started this process, if any."""
+    return next((launcher for launcher in LAUNCHERS if launcher[0] in environ), None)
+
+
+def check_world_size(size: int, environ=os.environ) -> None:
+    """Refuse an MPI world that is not the set of processes the launcher started (each process its own job)."""
+    launcher = launcher_variables(environ)
+    if launcher is not None and int(environ[launcher[0]]) != size:
+        raise ConfigError(f"{launcher[0]}={environ[launcher[0]]} processes were launched, but MPI sees a world of "
+                          f"{size}: they did not join one job; start them with `srun --mpi=pmix` or with the "
+                          f"mpirun of the MPI that mpi4py was built with")
+
+
+def check_thread_level(provided: int) -> None:
+    """Refuse an MPI without MPI_THREAD_MULTIPLE: the hang watchdog and eager-SGD call MPI from a thread."""
+    MPI = mpi()
+    if provided < MPI.THREAD_MULTIPLE:
+        level = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise ConfigError(f"MPI provides MPI_THREAD_{level.get(provided, provided)}, not MPI_THREAD_MULTIPLE, which "
+                          f"the hang watchdog and eager-SGD need: on Cray MPICH export "
+                          f"MPICH_MAX_THREAD_SAFETY=multiple, elsewhere use an MPI built with thread support")
+
+
+def check_launch() -> None:
+    """Check at start that the job's MPI world is what the launcher started and that it supports threads."""
+    MPI = mpi()
+    check_world_size(MPI.COMM_WORLD.Get_size())
+    check_thread_level(MPI.Query_thread())
+
+
+def node_placement(comm, environ=os.environ) -> tuple[int, int, int]:
+    """Return this rank's index among the ranks of its node (as MPI reports it), their number, and its share of
+    the CPUs it may run on: each CPU counts as 1/n when n ranks of the node may run on it."""
+    MPI = mpi()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        local_size = node.Get_size()
-        for name in LOCAL_RANK_VARIABLES:
-            if name in os.environ:
-                return int(os.environ[name]), local_size
-        return node.Get_rank(), local_size
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        mine = sorted(os.sched_getaffinity(0))
+        width = np.array([mine[-1] + 1], dtype=np.int64)
+        node.Allreduce(MPI.IN_PLACE, width, op=MPI.MAX)
+        allowed = np.zeros(int(width[0]), dtype=np.int64)
+        allowed[mine] = 1
+        sharing = np.empty_like(allowed)
+        node.Allreduce(allowed, sharing, op=MPI.SUM)
     finally:
         node.Free()
+    warn_on_local_rank_disagreement(local_rank, environ)
+    return local_rank, local_size, max(1, int(sum(1 / sharing[cpu] for cpu in mine) + 1e-9))
+
+
+def warn_on_local_rank_disagreement(local_rank: int, environ=os.environ) -> None:
+    """Name the launcher's local-rank variable when it disagrees with MPI's placement of this rank."""
+    launcher = launcher_variables(environ)
+    for name in launcher[1] if launcher else ():
+        if name in environ and environ[name] != str(local_rank):
+            print(f"crossbow_mpi: warning: {name}={environ[name]}, but MPI places this rank at index {local_rank} "
+                  f"among its node's ranks; its GPU and CPU share follow MPI", file=sys.stderr, flush=True)
+            return
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:
@@ -69,9 +125,16 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def set_threads(requested: int, local_size: int) -> int:
-    """Set torch's intra-op threads: the requested number, or this node's cores shared among its ranks."""
-    threads = requested or max(1, (os.cpu_count() or 1) // local_size)
+def set_threads(requested: int, cpu_share: int, announce: bool) -> int:
+    """Set torch's intra-op threads: the requested number, or this rank's share of the CPUs it may run on; warn
+    (when announcing) that more threads than those CPUs share them."""
+    cpus = len(os.sched_getaffinity(0))
+    if requested > cpus and announce:
+        print(f"crossbow_mpi: warning: --threads {requested}, but this rank is bound to {cpus} CPU(s), "
+              f"so its threads share them; launch with "
+              f"`mpirun --bind-to none`, or `--map-by slot:PE={requested}` to bind {requested} cores to each rank",
+              file=sys.stderr, flush=True)
+    threads = requested or cpu_share
     torch.set_num_threads(threads)
     return threads
 
@@ -93,6 +156,16 @@ def install_stop_signals() -> None:
 def stop_requested() -> bool:
     """Tell whether this rank received a stop signal."""
     return _stop_requested.is_set()
+
+
+def exit_promptly(code: int) -> None:
+    """End this process with `code` as soon as every rank got here: finalize MPI together, then skip Python's
+    teardown, so that no rank is still tearing down when the launcher reacts to the first non-zero exit (srun
+    --kill-on-bad-exit kills the others, and reports their signal instead of the code)."""
+    mpi().Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rng_state() -> dict:

@@ -32,9 +32,9 @@ def field_docs(cls) -> dict[str, str]:
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m crossbow_mpi.train",
-                     description="Train a model over MPI ranks with several learners per device "
-                                 "(SMA, synchronous SGD or eager-SGD).",
-                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
+                            description="Train a model over MPI ranks with several learners per device "
+                                        "(SMA, synchronous SGD or eager-SGD).",
+                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", metavar="RUN.toml", help="TOML file with config keys; flags override it.")
     docs = field_docs(Config)
     for f in dataclasses.fields(Config):
@@ -42,7 +42,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         default = f.default
         help_text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
         if f.type == "bool":
-            parser.add_argument(flag, action="store_const", const=True, help=help_text)
+            parser.add_argument(flag, nargs="?", const=True, metavar="true|false", help=help_text)
         else:
             parser.add_argument(flag, metavar=f.name.upper(), help=help_text)
     if quiet:
@@ -103,4 +103,7 @@ def run(config: Config, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PREEMPTED:
+        runtime.exit_promptly(code)
+    sys.exit(code)

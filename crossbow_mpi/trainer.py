@@ -19,8 +19,9 @@ from torch import nn
 from crossbow_mpi import checkpoint, runtime
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
-from crossbow_mpi.components import Clock, Components, Controller, DivergenceError
+from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
 from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
@@ -50,12 +51,12 @@ class FitResult:
     preempted: bool = False
     """Whether the run stopped early on a stop signal, after writing a checkpoint to resume from."""
     _model_fn: Callable[[], nn.Module] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _extra: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
     def model(self) -> nn.Module:
-        """Return a new `model_fn()` module holding the final z (frozen parameters and integer buffers are the
-        new module's own)."""
+        """Return a new `model_fn()` module holding the final z and its frozen parameters and non-float buffers."""
         module = self._model_fn()
-        return FlatLayout(module).load(module, self.central)
+        return FlatLayout(module).load(module, self.central, self._extra)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Return the final model's named parameters and buffers, as `model().state_dict()`."""
@@ -81,16 +82,18 @@ class Trainer:
 
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
+        runtime.install_abort_on_failure()
         world = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
+        agree(world, runtime.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
         configs = world.allgather_json(dataclasses.asdict(config))
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
-        local_rank, local_size = runtime.local_rank_and_size(world.mpi_comm)
+        local_rank, local_size, cpu_share = runtime.node_placement(world.mpi_comm)
         self.device = agree(world, lambda: runtime.select_device(config.device, local_rank))
         agree(world, lambda: check_engine(config.engine, self.device))
-        self.threads = runtime.set_threads(config.threads, local_size)
+        self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         data = comm or agree(world, lambda: build_communicator(world.mpi_comm, config.comm, self.device))
         self.topology = Topology.data_parallel(world, data, local_rank, local_size)
@@ -100,25 +103,32 @@ class Trainer:
         """The control scope: every rank of the job."""
         return self.topology.world
 
-    def start(self, model_fn: Callable[[], nn.Module], train_set, loss_fn=F.cross_entropy) -> Run:
-        """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position."""
+    def start(self, model_fn: Callable[[], nn.Module], train_set, loss_fn=F.cross_entropy, test_set=None,
+              output_fn: OutputFn | None = None) -> Run:
+        """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
+        a few samples of each dataset against the model first."""
         cfg, world = self.config, self.topology.world
         learners = 1 if cfg.learners == "auto" else cfg.learners
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
-        return Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        for dataset, role in ((train_set, "training set"), (test_set, "test set")):
+            if dataset is not None:
+                agree(world, lambda: check_samples(run.central.module, run.layout.dtype, dataset, role, output_fn))
+        return run
 
     def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-            controllers: Sequence[Controller] = ()) -> FitResult:
+            output_fn: OutputFn | None = None, controllers: Sequence[Controller] = ()) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
+        `output_fn` picks the class scores from the model's output for evaluation (default: the output itself).
         Each controller may change the run's hyper-parameters after any step (see components.Controller)."""
         cfg, world = self.config, self.topology.world
         agree(world, lambda: _check_test_set(test_set))
-        run = self.start(model_fn, train_set, loss_fn)
+        run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
-        parts = Components.build(cfg, self.topology, run, test_set, loss_fn, controllers, self.device)
+        parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
             return self._loop(run, parts)
         finally:
@@ -177,7 +187,8 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
     return FitResult(reached=reached, time_to_accuracy_s=run.state.time_to_accuracy_s, test_accuracy=accuracy,
                      iterations=run.state.iteration, epochs=run.epoch_progress,
                      central=run.central.z.detach().cpu().clone(), learners=run.learners.k, preempted=preempted,
-                     _model_fn=run.learners.model_fn)
+                     _model_fn=run.learners.model_fn,
+                     _extra=run.central.layout.extra_state_bytes(run.central.module))
 
 
 def _check_test_set(test_set) -> None:
@@ -193,8 +204,8 @@ def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> 
 
 
 def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
-    if not rank0:
-        return
+    if not rank0 or cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None:
+        return  # a --resume without a checkpoint stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

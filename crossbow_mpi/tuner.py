@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
 
 RAM_FRACTION = 0.8
 WARMUP_STEPS = 2
@@ -70,6 +71,7 @@ class AutoTuner:
         self.local_size = local_size
         self.static_bytes = static_bytes_per_learner
         self.warmup = warmup
+        self.ranks_per_gpu = ranks_per_gpu(gpu_owners(comm, device), comm.rank)
         self.restart()
 
     def restart(self) -> None:
@@ -126,7 +128,7 @@ class AutoTuner:
         """This rank's memory in use, its cap, and the estimated cost of one more learner."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used, cap = total - free, total
+            used, cap = (total - free) / self.ranks_per_gpu, total / self.ranks_per_gpu
         else:
             used = resident_bytes()
             cap = (self.max_memory or RAM_FRACTION * _total_ram_bytes()) / self.local_size

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Install what is needed (launch/setup.sh), then train on this machine with $RANKS ranks (default 2).
-# Extra arguments go to `python -m crossbow_mpi.train`.
+# Extra arguments go to `python -m crossbow_mpi.train`. The ranks are not bound to cores, so each takes its
+# share of the machine's cores as its threads (--threads 0).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/launch/setup.sh"
+# shellcheck source=/dev/null
 source "${CROSSBOW_VENV:-$root/.venv}/bin/activate"
 cd "$root"
 ranks=${RANKS:-2}
 mpi_args=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
-    mpi_args+=(--oversubscribe)
+    mpi_args+=(--oversubscribe --bind-to none)
     [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-exec mpirun -n "$ranks" "${mpi_args[@]}" python -m crossbow_mpi.train "$@"
+exec mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} python -m crossbow_mpi.train "$@"

@@ -39,6 +39,13 @@ def comm():
     return MpiCommunicator(_world())
 
 
+def self_comm():
+    """A communicator of this process alone (MPI backend), for a single-process run inside any test."""
+    from crossbow_mpi.comm import MpiCommunicator
+
+    return MpiCommunicator(_world().Split(_world().Get_rank()))
+
+
 @pytest.fixture
 def shared_tmp(comm):
     """A temporary directory made by rank 0 and seen by every rank."""

@@ -74,5 +74,21 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
     return z
 
 
+def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int) -> nn.Module:
+    """Return model_fn() trained by torch.optim.SGD for `steps` steps of `aggregate` samples, in the harness's data
+    order (the first epoch's permutation); frozen parameters stay as model_fn() made them."""
+    torch.manual_seed(cfg.seed)
+    model = model_fn()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
+    for step in range(steps):
+        inputs, targets = train.get_batch(order[step * aggregate:(step + 1) * aggregate])
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+    return model
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.data import synthetic_dataset
-from crossbow_mpi.data.sampler import GlobalSampler
-from reference import relative_error, sma_reference
+
+from reference import relative_error, sgd_reference, sma_reference
 
 STEPS = 20
 BATCH = 4
@@ -46,16 +45,7 @@ def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tm
     result = Trainer(cfg, comm).fit(mlp, train, test)
     assert result.iterations == STEPS
 
-    torch.manual_seed(cfg.seed)
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    aggregate = learners * comm.size * BATCH
-    order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
-    for step in range(STEPS):
-        inputs, targets = train.get_batch(order[step * aggregate:(step + 1) * aggregate])
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
+    model = sgd_reference(mlp, cfg, train, learners * comm.size * BATCH, STEPS)
     assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-5
 
 

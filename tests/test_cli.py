@@ -9,9 +9,10 @@ import time
 import h5py
 import pytest
 
-from conftest import MNIST_DIR, run_job
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.train import build_parser, parse_config
+
+from conftest import MNIST_DIR, run_job
 
 CONTRACT_FLAGS = ("--algorithm --model --dataset --data-dir --learners --batch-size --lr --momentum "
                   "--weight-decay --alpha --central-momentum --lr-steps --lr-gamma --warmup-epochs --epochs "

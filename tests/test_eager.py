@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm.partial import PartialAllreduce
-from crossbow_mpi.config import EAGER_MODES
-from crossbow_mpi.config import ConfigError
+from crossbow_mpi.config import EAGER_MODES, ConfigError
 from crossbow_mpi.train import parse_config
+
+from conftest import REPO
 from test_algorithms import BATCH, STEPS, datasets, run_config
 
 LATE_S = 0.1

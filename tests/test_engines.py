@@ -16,6 +16,7 @@ from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
+
 from reference import relative_error, sma_reference
 
 

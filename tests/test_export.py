@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_user_error, run_job, run_tool
 from crossbow_mpi import Config, Trainer
+from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.data import build_dataset, dataset_names, dataset_shape, synthetic_dataset
 from crossbow_mpi.data.datasets import SHAPES
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.models import build_model
+
+from conftest import REPO, assert_user_error, run_job, run_tool, self_comm
 from test_algorithms import mlp_bn_float64
 
 RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.2", "--eval-every", "4000",
@@ -31,14 +33,6 @@ def trained(tmp_path_factory):
     job = run_job(2, ["--run-dir", str(run_dir), *RUN], timeout=180)
     assert job.returncode == 0, job.stderr
     return run_dir
-
-
-def self_comm():
-    from mpi4py import MPI
-
-    from crossbow_mpi.comm import MpiCommunicator
-
-    return MpiCommunicator(MPI.COMM_SELF)
 
 
 def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(trained, tmp_path):
@@ -122,7 +116,11 @@ def test_fit_result_model_holds_z_with_its_buffers(comm, shared_tmp):
                     learners=2, lr=0.05)
     result = Trainer(config, comm).fit(mlp_bn_float64, train, test)
     model = result.model()
-    assert torch.equal(FlatLayout(model).flatten(model), result.central)
+    layout = FlatLayout(model)
+    assert torch.equal(layout.flatten(model), result.central)
+    with h5py.File(list_checkpoints(config.run_dir)[-1]) as f:
+        assert layout.extra_state_bytes(model) == f["central/extra"][...].tobytes()
+    assert model.state_dict()["2.num_batches_tracked"] > 0
     fresh = mlp_bn_float64()
     fresh.load_state_dict(result.state_dict())
     assert evaluate_model(fresh, test, comm, F.cross_entropy)[0] == result.test_accuracy

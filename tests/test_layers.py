@@ -36,8 +36,9 @@ def imports(path: Path, modules) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: `from .x import y` in package p is p.x
+                parents = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parents + ([base] if base else []))
             names = {f"{base}.{alias.name}" for alias in node.names}
             found |= (names & set(modules)) or {base}
     return {name for name in found if name.startswith("crossbow_mpi.")}

@@ -33,7 +33,8 @@ def test_output_shape(name, input_shape):
 def test_lenet_matches_crossbow():
     model = build_model("lenet", (1, 28, 28), 10)
     assert isinstance(model, LeNet)
-    assert [num_params(layer) for layer in (model.conv1, model.conv2, model.fc1, model.fc2)] == [520, 25050, 400500, 5010]
+    layers = (model.conv1, model.conv2, model.fc1, model.fc2)
+    assert [num_params(layer) for layer in layers] == [520, 25050, 400500, 5010]
     assert num_params(model) == 431080
     assert model.fc1.in_features == 800
 

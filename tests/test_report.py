@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from conftest import assert_user_error, run_job, run_tool
 from crossbow_mpi import Trainer
 from crossbow_mpi.report import draw, read_run
-from test_export import self_comm
+
+from conftest import assert_user_error, run_job, run_tool, self_comm
 from test_snapshots import HalveLrAt, config, datasets, mlp
 
 RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.2", "--eval-every", "2000",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algor
     if comm.rank == 0:
         with h5py.File(list_checkpoints(str(shared_tmp / "whole"))[-1]) as a, \
                 h5py.File(list_checkpoints(str(interrupted_dir))[-1]) as b:
-            names = ["central/z", "central/u"] + [f"ranks/{r}/{part}" for r in range(comm.size)
+            names = ["central/z", "central/u", "central/extra"] + [f"ranks/{r}/{part}" for r in range(comm.size)
                                                   for part in ("weights", "momentum")]
             for name in names:
                 assert (a[name][...] == b[name][...]).all(), name
@@ -72,6 +73,8 @@ def test_checkpoint_layout(comm, shared_tmp):
         num_state = result.central.numel()
         assert f["central/z"].shape == (num_state,)
         assert (f["central/z"][...] == result.central.numpy()).all()
+        tracked = np.frombuffer(f["central/extra"][...].tobytes(), dtype=np.int64)
+        assert tracked.tolist() == [16], "BatchNorm's num_batches_tracked: one forward pass per step"
         assert sorted(f["ranks"]) == [str(r) for r in range(comm.size)]
         for r in range(comm.size):
             assert f[f"ranks/{r}/weights"].shape == (2, num_state)

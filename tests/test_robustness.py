@@ -6,15 +6,14 @@ import dataclasses
 import errno
 
 import h5py
-
 import pytest
 import torch
 from torch import nn
 
-from crossbow_mpi import Config, ConfigError, Trainer
-from crossbow_mpi import checkpoint
+from crossbow_mpi import Config, ConfigError, Trainer, checkpoint
 from crossbow_mpi.checkpoint import CheckpointError, list_checkpoints
 from crossbow_mpi.data import synthetic_dataset
+
 from test_resume import config as resume_config
 from test_resume import fit
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
 from crossbow_mpi.data import DataError, load_cifar10
 from crossbow_mpi.data.prepare import prepare
+
+from conftest import REPO
 
 UNSAFE_CALLS = re.compile(r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"
                           # mpi4py's lower-case methods pickle their Python objects

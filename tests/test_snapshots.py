@@ -28,14 +28,16 @@ def mlp() -> nn.Module:
 
 
 class RecordingDataset(ArrayDataset):
-    """An ArrayDataset that records every training sample index it hands out."""
+    """An ArrayDataset that records every sample index it hands out in a training batch (not those of the start
+    check, one sample at a time)."""
 
     def __init__(self, data: ArrayDataset):
         super().__init__(data.inputs, data.targets, num_classes=data.num_classes)
         self.taken: list[int] = []
 
     def get_batch(self, indices):
-        self.taken += indices.tolist()
+        if len(indices) == BATCH:
+            self.taken += indices.tolist()
         return super().get_batch(indices)
 
 

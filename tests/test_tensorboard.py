@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from conftest import run_job
 from crossbow_mpi import Trainer
 from crossbow_mpi.metrics import TENSORBOARD_DIR
+
+from conftest import run_job
 from test_snapshots import config, datasets, mlp
 
 SCALARS = ("test_accuracy", "test_loss", "train_loss", "samples_per_s", "learners", "lr", "epoch", "time_s")

@@ -70,6 +70,13 @@ class Algorithm:
         """Return fields for the next evaluation record, the same on every rank."""
         return {}
 
+    def state_dict(self) -> dict:
+        """Return the algorithm's own state beyond z and the learners (JSON-serialisable; `drain` first)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
     def staged_rows(self, rows: slice) -> torch.Tensor:
         """Return the staged rows' first part (one column per parameter), staging the learners' buffers beside it."""
         learners = self.learners

@@ -42,3 +42,9 @@ class EagerSGD(SynchronousSGD):
 
     def statistics(self) -> dict:
         return self.transport.statistics()
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr = state["lr"]

@@ -1,5 +1,7 @@
 """Communicators: one interface, one backend per transport."""
 
+import sys
+
 import torch
 
 from crossbow_mpi.comm.base import Communicator
@@ -10,18 +12,37 @@ __all__ = ["Communicator", "MpiCommunicator", "build_communicator", "build_trans
 
 
 def build_communicator(mpi_comm, kind: str = "mpi", device: torch.device = torch.device("cpu")) -> Communicator:
-    """Return the communicator for this job's ranks (collective): `mpi`, `nccl`, or `auto`."""
-    from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
+    """Return the communicator for this job's ranks (collective): `mpi`, `nccl`, or `auto` (NCCL on GPUs, else
+    MPI; when NCCL cannot start, rank 0 says why in one line and MPI is used).
+
+    On GPUs rank 0 also says in one line when ranks share a GPU."""
+    from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
+    from crossbow_mpi.comm.nccl import NcclCommunicator
 
     if kind == "nccl" and device.type != "cuda":
         raise ConfigError("--comm nccl needs CUDA devices (--device cuda)")
-    if kind == "nccl" or (kind == "auto" and device.type == "cuda" and nccl_module() is not None):
-        try:
-            return NcclCommunicator(mpi_comm, device)
-        except ConfigError:
-            if kind == "nccl":
-                raise
-    return MpiCommunicator(mpi_comm)
+    control = MpiCommunicator(mpi_comm)
+    if device.type != "cuda":
+        return control
+    owners = gpu_owners(control, device)
+    most = max(ranks_per_gpu(owners, rank) for rank in range(control.size))
+    if most > 1:
+        _note(control, f"up to {most} ranks share a GPU (more ranks than GPUs): they share its compute, and "
+                       "--learners auto gives each rank its share of the GPU's memory")
+    if kind == "mpi":
+        return control
+    try:
+        return NcclCommunicator(mpi_comm, device)
+    except ConfigError as err:
+        if kind == "nccl":
+            raise ConfigError(f"--comm nccl: {err}") from None
+        _note(control, f"--comm auto: using MPI for the allreduce, since NCCL cannot start: {err}")
+        return control
+
+
+def _note(comm: Communicator, text: str) -> None:
+    if comm.rank == 0:
+        print(f"crossbow_mpi: note: {text}", file=sys.stderr, flush=True)
 
 
 def build_transport(kind: str, data: Communicator, config) -> Communicator:

@@ -43,12 +43,6 @@ class Communicator(ABC):
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Replace a contiguous tensor, in place, by root's copy."""
 
-    def split(self, color: int, key: int = 0) -> "Communicator":
-        """Return the MPI scope of the ranks that passed the same color, ordered by key (collective)."""
-        from crossbow_mpi.comm.mpi import MpiCommunicator
-
-        return MpiCommunicator(self.mpi_comm.Split(color, key))
-
     def control_channel(self) -> "ControlChannel":
         """Return a private duplicate of this scope for control traffic beside the training loop (collective)."""
         return ControlChannel(self.mpi_comm.Dup())

@@ -10,6 +10,10 @@ from crossbow_mpi.comm.base import Communicator, Reduction
 class MpiCommunicator(Communicator):
     """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
 
+    def split(self, color: int, key: int = 0) -> "MpiCommunicator":
+        """Return the scope of the ranks that passed the same color, ordered by key (collective)."""
+        return MpiCommunicator(self.mpi_comm.Split(color, key))
+
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         if self.size > 1:
             with _host_view(tensor) as host:

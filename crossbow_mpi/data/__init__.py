@@ -1,3 +1,5 @@
+"""Datasets, their preparation and checks, and the global sampler."""
+
 from .datasets import (
     DATASETS,
     ArrayDataset,
@@ -11,3 +13,6 @@ from .datasets import (
     synthetic_dataset,
     verify_checksums,
 )
+
+__all__ = ["DATASETS", "ArrayDataset", "DataError", "build_dataset", "dataset_names", "dataset_shape", "load_cifar10",
+           "load_mnist", "sha256_file", "synthetic_dataset", "verify_checksums"]

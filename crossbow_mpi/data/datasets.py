@@ -64,6 +64,9 @@ class ArrayDataset(Dataset):
                 f"targets must be int64 of shape ({len(inputs)},), "
                 f"got {targets.dtype} of shape {tuple(targets.shape)}"
             )
+        if len(targets) and not (0 <= int(targets.min()) and int(targets.max()) < num_classes):
+            raise ValueError(f"targets must be class indices in [0, {num_classes}), "
+                             f"got values from {int(targets.min())} to {int(targets.max())}")
         if (mean is None) != (std is None):
             raise ValueError("mean and std must be given together")
         self.inputs = inputs

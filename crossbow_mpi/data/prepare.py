@@ -13,8 +13,14 @@ import sys
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from crossbow_mpi.data.datasets import (CIFAR10_SUBDIR, CIFAR10_TEST_FILES, CIFAR10_TRAIN_FILES, SUMS_FILE,
-                                        DataError, sha256_file)
+from crossbow_mpi.data.datasets import (
+    CIFAR10_SUBDIR,
+    CIFAR10_TEST_FILES,
+    CIFAR10_TRAIN_FILES,
+    SUMS_FILE,
+    DataError,
+    sha256_file,
+)
 
 EXPECTED = {"cifar10": (CIFAR10_SUBDIR, CIFAR10_TRAIN_FILES + CIFAR10_TEST_FILES)}
 

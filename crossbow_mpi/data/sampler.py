@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from crossbow_mpi.data.datasets import DataError
+
 
 class GlobalSampler:
     """Give learner j of rank r its batch for the global step that starts at `offset` in the epoch.
@@ -42,8 +44,28 @@ class GlobalSampler:
 
 
 def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (inputs, targets) for the indices: the dataset's own `get_batch`, else its items stacked."""
+    """Return (inputs, int64 targets) for the indices: the dataset's own `get_batch`, else its items stacked;
+    DataError naming the sample when the samples' shapes differ or a label is not an integer class index."""
     if hasattr(dataset, "get_batch"):
-        return dataset.get_batch(indices)
-    items = [dataset[i] for i in indices.tolist()]
-    return torch.stack([torch.as_tensor(x) for x, _ in items]), torch.as_tensor([int(y) for _, y in items])
+        inputs, targets = dataset.get_batch(indices)
+    else:
+        rows = indices.tolist()
+        items = [dataset[i] for i in rows]
+        samples, labels = [torch.as_tensor(x) for x, _ in items], [torch.as_tensor(y) for _, y in items]
+        for i, x, y in zip(rows, samples, labels):
+            if x.shape != samples[0].shape:
+                raise DataError(f"sample {i} of {describe(dataset)} has shape {tuple(x.shape)}, "
+                                f"sample {rows[0]} has {tuple(samples[0].shape)}")
+            if y.numel() != 1:
+                raise DataError(f"sample {i} of {describe(dataset)} has a label of shape {tuple(y.shape)}, "
+                                "not one class index")
+        inputs, targets = torch.stack(samples), torch.stack([y.reshape(()) for y in labels])
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise DataError(f"sample {int(indices[0])} of {describe(dataset)} has label {targets[0].item()!r} "
+                        f"({targets.dtype}): labels must be integer class indices")
+    return inputs, targets.to(torch.int64)
+
+
+def describe(dataset) -> str:
+    """Name a dataset in a message."""
+    return f"the dataset {type(dataset).__name__}"

@@ -11,11 +11,14 @@ import torch
 from torch import nn
 
 from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.comm import build_communicator
+from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
 from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 from crossbow_mpi.tuner import AutoTuner, Policy
+
 from reference import relative_error, sma_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -43,7 +46,7 @@ def test_nccl_allreduce_and_broadcast(comm, dtype):
         pytest.skip("fewer GPUs than ranks")
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
     nccl = NcclCommunicator(comm.mpi_comm, device)
-    tensor = torch.arange(4096, device=device).to(dtype) % 8 + comm.rank
+    tensor = (torch.arange(4096, device=device) % 8 + comm.rank).to(dtype)
     expected = (torch.arange(4096, device=device) % 8 * comm.size + sum(range(comm.size))).to(dtype)
     nccl.allreduce_sum_(tensor)
     torch.cuda.synchronize()
@@ -55,11 +58,28 @@ def test_nccl_allreduce_and_broadcast(comm, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error(comm, shared_tmp):
+def test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error(comm):
     if one_gpu_per_rank(comm) or nccl_module() is None:
         pytest.skip("needs more ranks than GPUs, and CuPy")
-    with pytest.raises(ConfigError, match="share GPUs"):
-        Trainer(Config(device="cuda", comm="nccl", run_dir=str(shared_tmp)), comm)
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    with pytest.raises(ConfigError, match="^--comm nccl: ranks .* share GPUs"):
+        build_communicator(comm.mpi_comm, "nccl", device)
+
+
+@needs_nccl
+@pytest.mark.mpi(min_size=1)
+def test_nccl_inside_the_trainer_with_streams_matches_the_sequential_mpi_run(comm, shared_tmp):
+    if not one_gpu_per_rank(comm):
+        pytest.skip("fewer GPUs than ranks")
+    train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
+    results = {}
+    for transport, engine in (("nccl", "streams"), ("mpi", "sequential")):
+        cfg = Config(run_dir=str(shared_tmp / transport), device="cuda", comm=transport, engine=engine, learners=2,
+                     batch_size=8, epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05)
+        trainer = Trainer(cfg)
+        assert isinstance(trainer.comm, NcclCommunicator) == (transport == "nccl")
+        results[transport] = trainer.fit(convnet, train, train)
+    assert relative_error(results["nccl"].central, results["mpi"].central) < 1e-4
 
 
 @pytest.mark.mpi(min_size=1)
@@ -86,22 +106,38 @@ def test_stream_engine_agrees_with_sequential_on_gpu(comm, shared_tmp):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_bf16_on_gpu_keeps_z_float32(comm, shared_tmp):
+def test_bf16_on_gpu_runs_the_learners_convolutions_in_bfloat16(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 512 * comm.size, seed=0)
-    cfg = Config(run_dir=str(shared_tmp / "bf16"), device="cuda", precision="bf16", learners=2, batch_size=16,
-                 epochs=3, eval_every=0, target_accuracy=0, seed=4, lr=0.05)
-    result = Trainer(cfg, comm).fit(convnet, train, train)
-    assert result.central.dtype == torch.float32 and torch.isfinite(result.central).all()
-    assert result.test_accuracy > 0.3
+    convolution_dtypes = {"fp32": set(), "bf16": set()}
+    for precision, seen in convolution_dtypes.items():
+        def recording_convnet(seen: set = seen) -> nn.Module:
+            model = convnet()
+            model[0].register_forward_hook(lambda module, inputs, output: seen.add(output.dtype))
+            return model
+
+        cfg = Config(run_dir=str(shared_tmp / precision), device="cuda", precision=precision, learners=2,
+                     batch_size=16, epochs=3, eval_every=0, target_accuracy=0, seed=4, lr=0.05)
+        result = Trainer(cfg, comm).fit(recording_convnet, train, train)
+        assert torch.isfinite(result.central).all() and result.test_accuracy > 0.3
+    assert convolution_dtypes["fp32"] == {torch.float32} and torch.bfloat16 in convolution_dtypes["bf16"]
 
 
 @pytest.mark.mpi(min_size=1)
-def test_tuner_caps_learners_by_free_gpu_memory(comm):
+def test_tuner_reads_this_ranks_share_of_the_gpus_memory_and_what_it_allocates(comm):
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    sharing = ranks_per_gpu(gpu_owners(comm, device), comm.rank)
+    total = torch.cuda.get_device_properties(device).total_memory
     tuner = AutoTuner(Policy(0.1, 8), 5, comm, device, max_memory_gib=0, local_size=1, static_bytes_per_learner=1e6)
-    memory = tuner.read_memory()
-    free, total = torch.cuda.mem_get_info(device)
-    assert memory.cap == total and abs((memory.cap - memory.used) - free) < 256 * 2**20
+    torch.cuda.empty_cache()
+    comm.barrier()
+    before = tuner.read_memory()
+    comm.barrier()
+    block = torch.empty(2**30, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    comm.barrier()
+    after = tuner.read_memory()
+    assert abs(before.cap * sharing - total) <= 0.01 * total
+    assert abs(after.used - before.used - block.numel()) < 64 * 2**20
     huge = AutoTuner(Policy(0.1, 8), 5, comm, device, 0, 1, static_bytes_per_learner=float(total))
     assert not huge.read_memory().room_for_one_more
 
