@@ -41,8 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.0005)
     parser.add_argument("--epochs", type=float, default=10.0, help="upper bound on training epochs")
     parser.add_argument("--target-accuracy", type=float, default=0.99, help="stop once reached (0: never)")
-    parser.add_argument("--eval-every", type=int, default=15000,
-                        help="training samples (all ranks) between evaluations")
+    parser.add_argument(
+        "--eval-every", type=int, default=15000, help="training samples (all ranks) between evaluations"
+    )
     parser.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--seed", type=int, default=1)
@@ -91,7 +92,7 @@ def shards(sampler: DistributedSampler, batch_size: int, epochs: float, epoch_sa
         for step in range(len(shard) // batch_size):
             if epoch + step * step_samples / epoch_samples >= epochs:
                 return
-            yield epoch + (step + 1) * step_samples / epoch_samples, shard[step * batch_size:(step + 1) * batch_size]
+            yield epoch + (step + 1) * step_samples / epoch_samples, shard[step * batch_size : (step + 1) * batch_size]
         epoch += 1
 
 
@@ -103,10 +104,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     net = build_model(args.model, train_set.input_shape, train_set.num_classes)
     model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     metrics = Path(args.run_dir) / "metrics.jsonl"
     if rank == 0:
         metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -125,10 +124,17 @@ def main() -> None:
         accuracy, test_loss = evaluate(net, test_set, rank, world)
         train_loss = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
         dist.all_reduce(train_loss)
-        result = {"time_s": time.perf_counter() - started, "epoch": epoch_progress, "iteration": iterations,
-                  "samples": samples, "test_accuracy": accuracy, "test_loss": test_loss,
-                  "train_loss": (train_loss[0] / train_loss[1].clamp(min=1)).item(),
-                  "samples_per_s": window_samples / max(window_time, 1e-9), "lr": args.lr}
+        result = {
+            "time_s": time.perf_counter() - started,
+            "epoch": epoch_progress,
+            "iteration": iterations,
+            "samples": samples,
+            "test_accuracy": accuracy,
+            "test_loss": test_loss,
+            "train_loss": (train_loss[0] / train_loss[1].clamp(min=1)).item(),
+            "samples_per_s": window_samples / max(window_time, 1e-9),
+            "lr": args.lr,
+        }
         write(result)
         return result
 
@@ -159,12 +165,25 @@ def main() -> None:
                 break
     if record is None or record["iteration"] != iterations:
         record = evaluate_and_write()
-    write({"event": "summary", "reached": time_to_accuracy is not None, "time_to_accuracy_s": time_to_accuracy,
-           "time_limited": time_limited,
-           "target_accuracy": args.target_accuracy, "final_test_accuracy": record["test_accuracy"],
-           "time_s": time.perf_counter() - started, "iterations": iterations, "epochs": epoch_progress,
-           "samples": samples, "learners": 1, "world_size": world, "algorithm": "ddp",
-           "threads_per_rank": torch.get_num_threads(), "device": "cpu"})
+    write(
+        {
+            "event": "summary",
+            "reached": time_to_accuracy is not None,
+            "time_to_accuracy_s": time_to_accuracy,
+            "time_limited": time_limited,
+            "target_accuracy": args.target_accuracy,
+            "final_test_accuracy": record["test_accuracy"],
+            "time_s": time.perf_counter() - started,
+            "iterations": iterations,
+            "epochs": epoch_progress,
+            "samples": samples,
+            "learners": 1,
+            "world_size": world,
+            "algorithm": "ddp",
+            "threads_per_rank": torch.get_num_threads(),
+            "device": "cpu",
+        }
+    )
     dist.destroy_process_group()
 
 

@@ -14,10 +14,12 @@ from dataclasses import asdict, dataclass
 from benchmarks import harness
 
 RANKS = 4
-ALGORITHMS = {"ssgd": {"algorithm": "ssgd"},
-              "eager solo": {"algorithm": "eager", "eager_mode": "solo"},
-              "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
-              "eager solo, lr / 2": {"algorithm": "eager", "eager_mode": "solo", "lr_factor": 0.5}}
+ALGORITHMS = {
+    "ssgd": {"algorithm": "ssgd"},
+    "eager solo": {"algorithm": "eager", "eager_mode": "solo"},
+    "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
+    "eager solo, lr / 2": {"algorithm": "eager", "eager_mode": "solo", "lr_factor": 0.5},
+}
 """Variants; `lr_factor` scales the budget's learning rate (solo's stale gradients need a smaller one)."""
 
 
@@ -31,10 +33,28 @@ class Budget(harness.Budget):
     """Name → `--inject-imbalance` value."""
 
 
-FULL = Budget("lenet", "mnist", 0.97, 3200, epochs=1, batch_size=16, lr=0.02,
-              imbalances={"none": "", "random": "random:30", "slow rank": f"slow-rank:{RANKS - 1}:1.5"}, timeout_s=300)
-QUICK = Budget("mlp", "synthetic-mnist", 0.15, 600, epochs=0.02, batch_size=16, lr=0.01,
-               imbalances={"random": "random:5"}, timeout_s=120)
+FULL = Budget(
+    "lenet",
+    "mnist",
+    0.97,
+    3200,
+    epochs=1,
+    batch_size=16,
+    lr=0.02,
+    imbalances={"none": "", "random": "random:30", "slow rank": f"slow-rank:{RANKS - 1}:1.5"},
+    timeout_s=300,
+)
+QUICK = Budget(
+    "mlp",
+    "synthetic-mnist",
+    0.15,
+    600,
+    epochs=0.02,
+    batch_size=16,
+    lr=0.01,
+    imbalances={"random": "random:5"},
+    timeout_s=120,
+)
 
 COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "epochs", "samples_per_s", "speedup"]
 
@@ -48,26 +68,43 @@ def with_lr(flags: dict, lr: float) -> dict:
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    common = {"model": budget.model, "dataset": budget.dataset, "target_accuracy": budget.target_accuracy,
-              "eval_every": budget.eval_every, "epochs": budget.epochs, "batch_size": budget.batch_size,
-              "lr": budget.lr, "learners": 1, "threads": 1}
-    variants = {f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
-                for imbalance, spec in budget.imbalances.items() for name, flags in ALGORITHMS.items()}
+    common = {
+        "model": budget.model,
+        "dataset": budget.dataset,
+        "target_accuracy": budget.target_accuracy,
+        "eval_every": budget.eval_every,
+        "epochs": budget.epochs,
+        "batch_size": budget.batch_size,
+        "lr": budget.lr,
+        "learners": 1,
+        "threads": 1,
+    }
+    variants = {
+        f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
+        for imbalance, spec in budget.imbalances.items()
+        for name, flags in ALGORITHMS.items()
+    }
     harness.log(f"eager: {len(variants)} variants × {options.reps} on {RANKS} ranks")
-    runs = harness.interleave({variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s)
-                               for variant, flags in variants.items()}, options.reps)
+    runs = harness.interleave(
+        {variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s) for variant, flags in variants.items()},
+        options.reps,
+    )
     rows = []
     for imbalance in budget.imbalances:
         reference = harness.train_row(runs, f"{imbalance} / ssgd")["tta_s"]
         for name in ALGORITHMS:
             row = harness.train_row(runs, f"{imbalance} / {name}")
-            rows.append({"imbalance": imbalance, "algorithm": name, **row,
-                         "speedup": harness.ratio(reference, row["tta_s"])})
+            rows.append(
+                {"imbalance": imbalance, "algorithm": name, **row, "speedup": harness.ratio(reference, row["tta_s"])}
+            )
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, {RANKS} "
-                 "ranks × 1 thread, under injected imbalance (medians; speedup = S-SGD's time / the algorithm's)",
-        columns=COLUMNS, rows=rows, runs=runs,
-        settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants})
+        "ranks × 1 thread, under injected imbalance (medians; speedup = S-SGD's time / the algorithm's)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants},
+    )
 
 
 if __name__ == "__main__":

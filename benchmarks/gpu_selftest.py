@@ -29,8 +29,14 @@ import torch
 from benchmarks import harness, learners
 from tests.conftest import mpirun_command
 
-THROUGHPUT = {"model": "resnet32", "engine": "streams", "device": "cuda", "learners": [1, 2, 4, 8],
-              "warmup": 5, "steps": 20}
+THROUGHPUT = {
+    "model": "resnet32",
+    "engine": "streams",
+    "device": "cuda",
+    "learners": [1, 2, 4, 8],
+    "warmup": 5,
+    "steps": 20,
+}
 SHARED_GPU_TEST = "test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error"
 TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, SHARED_GPU_TEST))
 """(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU, every other test runs on one."""
@@ -53,17 +59,31 @@ def run_tests(ranks: int, select: str) -> dict:
     test that did not pass."""
     if importlib.util.find_spec("pytest_mpi") is None:
         raise RuntimeError("pytest-mpi is not installed, so the MPI-marked GPU tests would not run")
-    command = mpirun_command(ranks) + [sys.executable, "tests/mpi_pytest.py", "-q", "--color=no", "-rfEs",
-                                       "--with-mpi", "-k", select, "tests/gpu"]
+    command = mpirun_command(ranks) + [
+        sys.executable,
+        "tests/mpi_pytest.py",
+        "-q",
+        "--color=no",
+        "-rfEs",
+        "--with-mpi",
+        "-k",
+        select,
+        "tests/gpu",
+    ]
     env = {**os.environ, **harness.MPI_ENV}
     if ranks > 1:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=harness.REPO, capture_output=True, text=True, timeout=300, env=env)
     output = done.stdout + done.stderr
-    return {"ranks": ranks, "select": select, "exit_code": done.returncode, **pytest_counts(output),
-            "problems": [line for line in output.splitlines() if re.match(r"(FAILED|ERROR|SKIPPED) ", line)],
-            "seconds": time.perf_counter() - started}
+    return {
+        "ranks": ranks,
+        "select": select,
+        "exit_code": done.returncode,
+        **pytest_counts(output),
+        "problems": [line for line in output.splitlines() if re.match(r"(FAILED|ERROR|SKIPPED) ", line)],
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def sync_cost() -> list[dict]:
@@ -79,9 +99,11 @@ def sync_cost() -> list[dict]:
     for mib in (1, 16, 256):
         tensor = torch.ones(mib * 2**18, device=device)
         target = torch.empty_like(tensor)
-        calls = {"nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
-                 "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
-                 "device copy us": lambda: target.copy_(tensor)}
+        calls = {
+            "nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
+            "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
+            "device copy us": lambda: target.copy_(tensor),
+        }
         row = {"MiB": mib}
         for name, call in calls.items():
             call()
@@ -101,8 +123,14 @@ def throughput() -> list[dict]:
     for batch in (16, 64):
         sma = learners.worker({**THROUGHPUT, "batch": batch})
         ssgd = learners.worker({**THROUGHPUT, "batch": batch, "algorithm": "ssgd", "learners": [1]})
-        rows.append({"b": batch, **{f"sma k={k}": v for k, v in sma["throughput"].items()},
-                     "sma auto k": sma["auto_learners"], "ssgd k=1": ssgd["throughput"][1]})
+        rows.append(
+            {
+                "b": batch,
+                **{f"sma k={k}": v for k, v in sma["throughput"].items()},
+                "sma auto k": sma["auto_learners"],
+                "ssgd k=1": ssgd["throughput"][1],
+            }
+        )
     return rows
 
 
@@ -116,18 +144,29 @@ def mnist_to_99() -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = Config(device="cuda", run_dir=run_dir, epochs=10)
         result = Trainer(cfg).fit(lambda: build_model("lenet", train.input_shape, 10), train, test)
-    return {"reached": result.reached, "time_to_accuracy_s": result.time_to_accuracy_s,
-            "epochs": result.epochs, "test_accuracy": result.test_accuracy}
+    return {
+        "reached": result.reached,
+        "time_to_accuracy_s": result.time_to_accuracy_s,
+        "epochs": result.epochs,
+        "test_accuracy": result.test_accuracy,
+    }
 
 
-PARTS = {"tests": lambda: [run_tests(ranks, select) for ranks, select in TEST_RUNS], "sync_cost": sync_cost,
-         "throughput": throughput, "mnist_to_99": mnist_to_99}
+PARTS = {
+    "tests": lambda: [run_tests(ranks, select) for ranks, select in TEST_RUNS],
+    "sync_cost": sync_cost,
+    "throughput": throughput,
+    "mnist_to_99": mnist_to_99,
+}
 
 
 def verdict(results: dict) -> tuple[bool, str]:
     """Return whether the self-test passed on a GPU, and why in a few words."""
-    errors = [f"{name}: {results[name]['error']}" for name in PARTS
-              if isinstance(results.get(name), dict) and "error" in results[name]]
+    errors = [
+        f"{name}: {results[name]['error']}"
+        for name in PARTS
+        if isinstance(results.get(name), dict) and "error" in results[name]
+    ]
     if errors:
         return False, f"{len(errors)} part(s) raised an error; first {errors[0]}"
     for run in results["tests"]:
@@ -141,8 +180,9 @@ def verdict(results: dict) -> tuple[bool, str]:
             return False, f"{where}: exit code {run['exit_code']} with {run['passed']} passed"
     mnist = results["mnist_to_99"]
     if not mnist["reached"]:
-        return False, (f"LeNet/MNIST did not reach 99 % in {mnist['epochs']:g} epochs "
-                       f"(best {mnist['test_accuracy']:.4f})")
+        return False, (
+            f"LeNet/MNIST did not reach 99 % in {mnist['epochs']:g} epochs (best {mnist['test_accuracy']:.4f})"
+        )
     passed = " and ".join(f"{run['passed']} on {run['ranks']} rank(s)" for run in results["tests"])
     return True, f"tests passed ({passed}); LeNet/MNIST reached 99 % in {mnist['time_to_accuracy_s']:.1f} s"
 
@@ -155,8 +195,11 @@ def main() -> int:
         print("gpu_selftest: FAIL: torch sees no CUDA device")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    results = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
     for name, part in PARTS.items():
         harness.log(f"== {name}")
         started = time.perf_counter()
@@ -171,8 +214,10 @@ def main() -> int:
     (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
     for name in ("tests", "sync_cost", "throughput"):
-        rows = [{k: v for k, v in row.items() if k != "problems"}
-                for row in (results[name] if isinstance(results[name], list) else [results[name]])]
+        rows = [
+            {k: v for k, v in row.items() if k != "problems"}
+            for row in (results[name] if isinstance(results[name], list) else [results[name]])
+        ]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         print(f"\n{name}\n" + harness.Report(name, columns, rows, [], {}).table())
     print(f"\nmnist_to_99: {json.dumps(results['mnist_to_99'])}")

@@ -98,34 +98,47 @@ def format_value(value) -> str:
     return str(value)
 
 
-def main(measure: Callable[[Options], Report], worker: Callable[[dict], dict] | None = None,
-         full_reps: int = 3) -> None:
+def main(
+    measure: Callable[[Options], Report], worker: Callable[[dict], dict] | None = None, full_reps: int = 3
+) -> None:
     """Run a benchmark module from the command line (or, with --worker, one rank of its MPI job)."""
     name = Path(sys.modules["__main__"].__file__).stem
     if sys.argv[1:2] == ["--worker"]:
         _worker_main(worker, Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}",
-                                     description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}", description=sys.modules["__main__"].__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny budget: check that it runs, not speeds")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR,
-                        help=f"directory for {name}.json (default: %(default)s)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help=f"repetitions of each variant (default: {full_reps}, quick: 1)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.json (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
+    )
     args = parser.parse_args()
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps))
     options.out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     report = measure(options)
-    record = {"benchmark": name, "question": report.question, "quick": options.quick, "reps": options.reps,
-              "date": started.isoformat(timespec="seconds"),
-              "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
-              "command": " ".join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
-              "machine": machine(), "code": code_version(),
-              "load_average": {"before": load_before, "after": os.getloadavg()},
-              "settings": report.settings, "columns": report.columns, "rows": report.rows, "runs": report.runs,
-              "files": report.files}
+    record = {
+        "benchmark": name,
+        "question": report.question,
+        "quick": options.quick,
+        "reps": options.reps,
+        "date": started.isoformat(timespec="seconds"),
+        "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+        "command": " ".join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
+        "machine": machine(),
+        "code": code_version(),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "settings": report.settings,
+        "columns": report.columns,
+        "rows": report.rows,
+        "runs": report.runs,
+        "files": report.files,
+    }
     path = options.out / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\n{report.question}\nwrote {path}\n\n{report.table()}", flush=True)
@@ -150,15 +163,23 @@ def machine() -> dict:
     import torch
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
-                 platform.processor())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
+        platform.processor(),
+    )
     mpi = subprocess.run([_mpirun(), "--version"], capture_output=True, text=True).stdout.splitlines()
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "mpi": mpi[0] if mpi else None}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mpi": mpi[0] if mpi else None,
+    }
 
 
 def code_version() -> dict:
     """The commit the benchmarked code is at, and whether the work tree differed from it."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
@@ -175,11 +196,26 @@ def _mpirun() -> str:
 
 def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None) -> str:
     """Run `python ARGS` on `ranks` MPI ranks from the repository root; return stdout; raise if it fails or hangs."""
-    command = ["timeout", "--kill-after=10", str(math.ceil(timeout)),
-               _mpirun(), "-n", str(ranks), "--oversubscribe", sys.executable, *args]
+    command = [
+        "timeout",
+        "--kill-after=10",
+        str(math.ceil(timeout)),
+        _mpirun(),
+        "-n",
+        str(ranks),
+        "--oversubscribe",
+        sys.executable,
+        *args,
+    ]
     try:
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, **MPI_ENV, **(env or {})},
-                              capture_output=True, text=True, timeout=timeout + 30)
+        done = subprocess.run(
+            command,
+            cwd=REPO,
+            env={**os.environ, **MPI_ENV, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout + 30,
+        )
     except subprocess.TimeoutExpired as err:
         raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s") from err
     if done.returncode != 0:
@@ -220,11 +256,16 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
             log(f"  crashed, running it again: {crashes[-1]}")
     summary = records[-1]
     evaluations = [record for record in records if "test_accuracy" in record]
-    return {"reached": summary["reached"], "tta_s": summary["time_to_accuracy_s"],
-            "epochs": summary["epochs"] if summary["reached"] else None, "epochs_run": summary["epochs"],
-            "final_accuracy": summary["final_test_accuracy"], "time_limited": summary.get("time_limited", False),
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
-            **({"crashes": crashes} if crashes else {})}
+    return {
+        "reached": summary["reached"],
+        "tta_s": summary["time_to_accuracy_s"],
+        "epochs": summary["epochs"] if summary["reached"] else None,
+        "epochs_run": summary["epochs"],
+        "final_accuracy": summary["final_test_accuracy"],
+        "time_limited": summary.get("time_limited", False),
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
+        **({"crashes": crashes} if crashes else {}),
+    }
 
 
 def _train_once(trainer: str, ranks: int, flags: dict, timeout: float) -> list[dict]:
@@ -253,9 +294,13 @@ def train_row(runs: list[dict], variant: str) -> dict:
         values = [run[key] for run in mine if run.get(key) is not None]
         return statistics.median(values) if values else None
 
-    return {"reached": f"{sum(run['reached'] for run in mine)}/{len(mine)}",
-            "tta_s": median([run["tta_s"] for run in mine]), "epochs": median([run["epochs"] for run in mine]),
-            "accuracy": measured("final_accuracy"), "samples_per_s": measured("samples_per_s")}
+    return {
+        "reached": f"{sum(run['reached'] for run in mine)}/{len(mine)}",
+        "tta_s": median([run["tta_s"] for run in mine]),
+        "epochs": median([run["epochs"] for run in mine]),
+        "accuracy": measured("final_accuracy"),
+        "samples_per_s": measured("samples_per_s"),
+    }
 
 
 def mnist(test_samples: int):
@@ -263,8 +308,9 @@ def mnist(test_samples: int):
     from crossbow_mpi.data import ArrayDataset, build_dataset
 
     train, test = build_dataset("mnist", str(REPO / "datasets" / "mnist"), seed=1)
-    return train, ArrayDataset(test.inputs[:test_samples], test.targets[:test_samples], test.num_classes,
-                               test.mean, test.std)
+    return train, ArrayDataset(
+        test.inputs[:test_samples], test.targets[:test_samples], test.num_classes, test.mean, test.std
+    )
 
 
 def crossbow_samples_per_s(config, model_fn, train_set, test_set) -> float:

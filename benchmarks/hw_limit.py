@@ -15,8 +15,10 @@ from benchmarks import harness
 
 RANKS = 2
 TEST_SAMPLES = 1000
-CONFIGS = {"ssgd k=1 b=64": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
-           "sma k=2 b=16": {"algorithm": "sma", "learners": 2, "batch_size": 16}}
+CONFIGS = {
+    "ssgd k=1 b=64": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
+    "sma k=2 b=16": {"algorithm": "sma", "learners": 2, "batch_size": 16},
+}
 
 
 @dataclass
@@ -80,15 +82,22 @@ def worker(settings: dict) -> dict:
     def training(config: dict):
         def run(rep: int) -> dict:
             epochs = settings["samples"] / len(train_set)
-            cfg = Config(**config, lr=0.01, epochs=epochs, target_accuracy=0, eval_every=harness.NEVER, threads=1,
-                         seed=rep + 1)
+            cfg = Config(
+                **config, lr=0.01, epochs=epochs, target_accuracy=0, eval_every=harness.NEVER, threads=1, seed=rep + 1
+            )
             return {"samples_per_s": harness.crossbow_samples_per_s(cfg, model_fn, train_set, test_set)}
+
         return run
 
-    runs = harness.interleave({"matmul": matmul, **{name: training(config) for name, config in CONFIGS.items()}},
-                              settings["reps"], quiet=True)
-    return {"runs": runs, "flops_per_sample": {name: flops_per_sample(model_fn, train_set, config["batch_size"])
-                                               for name, config in CONFIGS.items()}}
+    runs = harness.interleave(
+        {"matmul": matmul, **{name: training(config) for name, config in CONFIGS.items()}}, settings["reps"], quiet=True
+    )
+    return {
+        "runs": runs,
+        "flops_per_sample": {
+            name: flops_per_sample(model_fn, train_set, config["batch_size"]) for name, config in CONFIGS.items()
+        },
+    }
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -100,15 +109,29 @@ def measure(options: harness.Options) -> harness.Report:
     for name in CONFIGS:
         flops = measured["flops_per_sample"][name]
         rate = harness.median(harness.column(runs, name, "samples_per_s"))
-        rows.append({"config": name, "flops_per_sample": flops, "samples_per_s": rate,
-                     "achieved_gflops": flops * rate / 1e9, "matmul_gflops": peak / 1e9,
-                     "fraction": harness.ratio(flops * rate, peak)})
+        rows.append(
+            {
+                "config": name,
+                "flops_per_sample": flops,
+                "samples_per_s": rate,
+                "achieved_gflops": flops * rate / 1e9,
+                "matmul_gflops": peak / 1e9,
+                "fraction": harness.ratio(flops * rate, peak),
+            }
+        )
     return harness.Report(
         question=f"Training FLOP/s (FlopCounterMode forward+backward × samples/s) over a {budget.matmul_n}² float32 "
-                 f"matmul's FLOP/s, LeNet on MNIST, {RANKS} ranks × 1 thread (medians)",
-        columns=COLUMNS, rows=rows, runs=runs,
-        settings={"ranks": RANKS, "budget": asdict(budget), "configs": CONFIGS,
-                  "flops_per_sample": measured["flops_per_sample"]})
+        f"matmul's FLOP/s, LeNet on MNIST, {RANKS} ranks × 1 thread (medians)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={
+            "ranks": RANKS,
+            "budget": asdict(budget),
+            "configs": CONFIGS,
+            "flops_per_sample": measured["flops_per_sample"],
+        },
+    )
 
 
 if __name__ == "__main__":

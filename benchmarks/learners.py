@@ -15,11 +15,24 @@ from pathlib import Path
 
 from benchmarks import harness
 
-FULL = {"models": ["lenet", "resnet32"], "batches": [16, 64], "ranks": [1, 2], "engines": ["sequential", "threads"],
-        "learners": {"lenet": list(range(1, 9)), "resnet32": [1, 2, 4, 8]},
-        "warmup": {"lenet": 2, "resnet32": 1}, "steps": {"lenet": 8, "resnet32": 2}}
-QUICK = {"models": ["lenet"], "batches": [16], "ranks": [1], "engines": ["sequential", "threads"],
-         "learners": {"lenet": [1, 2]}, "warmup": {"lenet": 1}, "steps": {"lenet": 2}}
+FULL = {
+    "models": ["lenet", "resnet32"],
+    "batches": [16, 64],
+    "ranks": [1, 2],
+    "engines": ["sequential", "threads"],
+    "learners": {"lenet": list(range(1, 9)), "resnet32": [1, 2, 4, 8]},
+    "warmup": {"lenet": 2, "resnet32": 1},
+    "steps": {"lenet": 8, "resnet32": 2},
+}
+QUICK = {
+    "models": ["lenet"],
+    "batches": [16],
+    "ranks": [1],
+    "engines": ["sequential", "threads"],
+    "learners": {"lenet": [1, 2]},
+    "warmup": {"lenet": 1},
+    "steps": {"lenet": 2},
+}
 
 
 def datasets(model: str, samples: int, seed: int):
@@ -31,8 +44,10 @@ def datasets(model: str, samples: int, seed: int):
         subset = ArrayDataset(train.inputs[:samples], train.targets[:samples], train.num_classes, train.mean, train.std)
         return subset, ArrayDataset(train.inputs[:64], train.targets[:64], train.num_classes, train.mean, train.std)
     data = synthetic_dataset((3, 32, 32), 10, samples + 64, seed)
-    return (ArrayDataset(data.inputs[:samples], data.targets[:samples], 10),
-            ArrayDataset(data.inputs[samples:], data.targets[samples:], 10))
+    return (
+        ArrayDataset(data.inputs[:samples], data.targets[:samples], 10),
+        ArrayDataset(data.inputs[samples:], data.targets[samples:], 10),
+    )
 
 
 def worker(settings: dict) -> dict:
@@ -56,12 +71,26 @@ def worker(settings: dict) -> dict:
         samples = overrides.pop("samples", steps * step_samples)
         train, test = datasets(model, samples, seed=1)
         run_dir = Path(run_root) / f"k{learners}"
-        cfg = Config(model=model, learners=learners, batch_size=batch, engine=engine, run_dir=str(run_dir),
-                     epochs=1, target_accuracy=0, eval_every=settings["warmup"] * step_samples, seed=1,
-                     device=settings.get("device", "cpu"), algorithm=settings.get("algorithm", "sma"), **overrides)
+        cfg = Config(
+            model=model,
+            learners=learners,
+            batch_size=batch,
+            engine=engine,
+            run_dir=str(run_dir),
+            epochs=1,
+            target_accuracy=0,
+            eval_every=settings["warmup"] * step_samples,
+            seed=1,
+            device=settings.get("device", "cpu"),
+            algorithm=settings.get("algorithm", "sma"),
+            **overrides,
+        )
         Trainer(cfg).fit(lambda: build_model(model, shape, 10), train, test)
-        return comm.bcast_json([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                               if comm.rank == 0 else None)
+        return comm.bcast_json(
+            [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            if comm.rank == 0
+            else None
+        )
 
     throughput = {}
     for k in settings["learners"]:
@@ -72,8 +101,12 @@ def worker(settings: dict) -> dict:
     budget = (WARMUP_STEPS + interval) * sum(range(1, max_learners + 2)) * world * batch
     records = run("auto", max_learners=max_learners, autotune_interval=interval, samples=budget)
     decisions = [r for r in records if r.get("event") == "autotune"]
-    return {"throughput": throughput, "auto_learners": records[-1]["learners"], "decisions": decisions,
-            "auto_samples_per_s": max((d["samples_per_s"] or 0) for d in decisions) if decisions else None}
+    return {
+        "throughput": throughput,
+        "auto_learners": records[-1]["learners"],
+        "decisions": decisions,
+        "auto_samples_per_s": max((d["samples_per_s"] or 0) for d in decisions) if decisions else None,
+    }
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -83,9 +116,14 @@ def measure(options: harness.Options) -> harness.Report:
         for batch in grid["batches"]:
             for ranks in grid["ranks"]:
                 for engine in grid["engines"]:
-                    settings = {"model": model, "batch": batch, "engine": engine,
-                                "learners": grid["learners"][model], "warmup": grid["warmup"][model],
-                                "steps": grid["steps"][model]}
+                    settings = {
+                        "model": model,
+                        "batch": batch,
+                        "engine": engine,
+                        "learners": grid["learners"][model],
+                        "warmup": grid["warmup"][model],
+                        "steps": grid["steps"][model],
+                    }
                     harness.log(f"{model} b={batch} ranks={ranks} engine={engine}")
                     result = harness.run_worker("learners", ranks, settings, timeout=1800)
                     result["throughput"] = {int(k): v for k, v in result["throughput"].items()}
@@ -95,14 +133,26 @@ def measure(options: harness.Options) -> harness.Report:
     rows = []
     for run in runs:
         rates = run["throughput"]
-        row = {"model": run["model"], "b": run["batch"], "ranks": run["ranks"], "engine": run["engine"],
-               "auto k": run["auto_learners"], "best k": max(rates, key=rates.get)}
+        row = {
+            "model": run["model"],
+            "b": run["batch"],
+            "ranks": run["ranks"],
+            "engine": run["engine"],
+            "auto k": run["auto_learners"],
+            "best k": max(rates, key=rates.get),
+        }
         row.update({f"k={k}": rates.get(k) for k in all_learners})
         rows.append(row)
     plot = options.out / "learners.png"
     _plot(runs, plot)
-    return harness.Report(question="SMA samples/s (all ranks) against learners per rank; auto k = the tuner's choice",
-                          columns=columns, rows=rows, runs=runs, settings=grid, files=[str(plot)])
+    return harness.Report(
+        question="SMA samples/s (all ranks) against learners per rank; auto k = the tuner's choice",
+        columns=columns,
+        rows=rows,
+        runs=runs,
+        settings=grid,
+        files=[str(plot)],
+    )
 
 
 def _plot(runs: list[dict], path: Path) -> None:
@@ -117,7 +167,7 @@ def _plot(runs: list[dict], path: Path) -> None:
         for run in (r for r in runs if (r["model"], r["batch"]) == (model, batch)):
             ks = sorted(run["throughput"])
             rates = [run["throughput"][k] for k in ks]
-            line, = ax.plot(ks, rates, marker="o", label=f"{run['ranks']} rank(s), {run['engine']}")
+            (line,) = ax.plot(ks, rates, marker="o", label=f"{run['ranks']} rank(s), {run['engine']}")
             auto = run["auto_learners"]
             if auto in ks:
                 ax.plot([auto], [rates[ks.index(auto)]], marker="*", markersize=16, color=line.get_color())

@@ -44,8 +44,9 @@ def bare_loop(train_set, batch: int, samples: int, seed: int) -> float:
     defaults = Config()
     torch.manual_seed(seed)
     model = build_model("lenet", train_set.input_shape, train_set.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=defaults.momentum,
-                                weight_decay=defaults.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=defaults.momentum, weight_decay=defaults.weight_decay
+    )
     order = GlobalSampler(len(train_set), seed, rank=0, world_size=1)
     elapsed = 0.0
     for offset in range(0, samples, batch):
@@ -76,15 +77,26 @@ def worker(settings: dict) -> dict:
         samples = settings["samples"] // batch * batch
 
         def crossbow(rep: int, batch=batch, samples=samples) -> dict:
-            config = Config(algorithm="ssgd", learners=1, batch_size=batch, lr=LR, epochs=samples / len(train_set),
-                            target_accuracy=0, eval_every=harness.NEVER, threads=1, seed=rep + 1)
+            config = Config(
+                algorithm="ssgd",
+                learners=1,
+                batch_size=batch,
+                lr=LR,
+                epochs=samples / len(train_set),
+                target_accuracy=0,
+                eval_every=harness.NEVER,
+                threads=1,
+                seed=rep + 1,
+            )
             return {"samples_per_s": harness.crossbow_samples_per_s(config, model_fn, train_set, test_set)}
 
         def pytorch(rep: int, batch=batch, samples=samples) -> dict:
             return {"samples_per_s": bare_loop(train_set, batch, samples, seed=rep + 1)}
 
-        runs += [{"b": batch, **run} for run in harness.interleave(
-            {"crossbow": crossbow, "pytorch": pytorch}, settings["reps"], quiet=True)]
+        runs += [
+            {"b": batch, **run}
+            for run in harness.interleave({"crossbow": crossbow, "pytorch": pytorch}, settings["reps"], quiet=True)
+        ]
     return {"runs": runs}
 
 
@@ -94,14 +106,25 @@ def measure(options: harness.Options) -> harness.Report:
     rows = []
     for batch in budget.batch_sizes:
         mine = [run for run in runs if run["b"] == batch]
-        rates = {system: harness.median(harness.column(mine, system, "samples_per_s"))
-                 for system in ("crossbow", "pytorch")}
-        rows.append({"b": batch, "crossbow_samples_per_s": rates["crossbow"], "pytorch_samples_per_s": rates["pytorch"],
-                     "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"])})
+        rates = {
+            system: harness.median(harness.column(mine, system, "samples_per_s")) for system in ("crossbow", "pytorch")
+        }
+        rows.append(
+            {
+                "b": batch,
+                "crossbow_samples_per_s": rates["crossbow"],
+                "pytorch_samples_per_s": rates["pytorch"],
+                "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
+            }
+        )
     return harness.Report(
         question="Training samples/s on 1 rank × 1 thread, 1 learner, LeNet on MNIST: crossbow_mpi S-SGD against "
-                 "a bare PyTorch loop on the same batches (medians)",
-        columns=COLUMNS, rows=rows, runs=runs, settings={"budget": asdict(budget), "lr": LR})
+        "a bare PyTorch loop on the same batches (medians)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"budget": asdict(budget), "lr": LR},
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,14 @@ def worker(settings: dict) -> dict:
     threading.Timer(settings["duration_s"], lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    cfg = Config(run_dir=run_dir, epochs=10_000, target_accuracy=0, eval_every=60_000,
-                 checkpoint_every=settings["checkpoint_every"], seed=1)
+    cfg = Config(
+        run_dir=run_dir,
+        epochs=10_000,
+        target_accuracy=0,
+        eval_every=60_000,
+        checkpoint_every=settings["checkpoint_every"],
+        seed=1,
+    )
     result = Trainer(cfg, comm).fit(lambda: build_model("lenet", train.input_shape, 10), train, test)
     done.set()
     sampler.join()
@@ -68,14 +74,23 @@ def measure(options: harness.Options) -> harness.Report:
     result = harness.run_worker("soak", settings["ranks"], settings, timeout=settings["duration_s"] + 600)
     rows = []
     for rank, samples in enumerate(result["samples"]):
-        rows.append({"rank": rank, "samples": len(samples), "first MiB": samples[0][1] if samples else None,
-                     "last MiB": samples[-1][1] if samples else None,
-                     "slope MiB/min": slope_mib_per_minute(samples, settings["settle_s"])})
+        rows.append(
+            {
+                "rank": rank,
+                "samples": len(samples),
+                "first MiB": samples[0][1] if samples else None,
+                "last MiB": samples[-1][1] if samples else None,
+                "slope MiB/min": slope_mib_per_minute(samples, settings["settle_s"]),
+            }
+        )
     return harness.Report(
         question=f"resident memory per rank over {settings['duration_s']} s of training "
-                 f"({result['iterations']} iterations, checkpoint every {settings['checkpoint_every']})",
-        columns=["rank", "samples", "first MiB", "last MiB", "slope MiB/min"], rows=rows, runs=[result],
-        settings=settings)
+        f"({result['iterations']} iterations, checkpoint every {settings['checkpoint_every']})",
+        columns=["rank", "samples", "first MiB", "last MiB", "slope MiB/min"],
+        rows=rows,
+        runs=[result],
+        settings=settings,
+    )
 
 
 if __name__ == "__main__":

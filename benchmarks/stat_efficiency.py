@@ -28,18 +28,28 @@ class Budget(harness.Budget):
 FULL = Budget("lenet", "mnist", 0.99, 20000, epochs=8, aggregates=(16, 64, 256, 1024), timeout_s=1200)
 QUICK = Budget("mlp", "synthetic-mnist", 0.15, 600, epochs=0.02, aggregates=(16, 64), timeout_s=120)
 
-COLUMNS = ["algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s",
-           "samples_per_s"]
+COLUMNS = ["algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s", "samples_per_s"]
 
 
 def points(aggregate: int) -> dict[str, dict]:
     """The S-SGD and SMA configurations whose global step takes `aggregate` samples."""
     batch = min(SMA_BATCH, aggregate // RANKS)
     learners = aggregate // (RANKS * batch)
-    return {"ssgd": {"algorithm": "ssgd", "learners": 1, "batch_size": aggregate // RANKS,
-                     "lr": LR_AT_64 * (aggregate / 64) ** 0.5},
-            "sma": {"algorithm": "sma", "learners": learners, "batch_size": batch, "lr": LR_AT_64,
-                    "alpha": min(0.1, 1 / (learners * RANKS))}}
+    return {
+        "ssgd": {
+            "algorithm": "ssgd",
+            "learners": 1,
+            "batch_size": aggregate // RANKS,
+            "lr": LR_AT_64 * (aggregate / 64) ** 0.5,
+        },
+        "sma": {
+            "algorithm": "sma",
+            "learners": learners,
+            "batch_size": batch,
+            "lr": LR_AT_64,
+            "alpha": min(0.1, 1 / (learners * RANKS)),
+        },
+    }
 
 
 def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
@@ -54,10 +64,16 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
         mine = [row for row in rows if row["algorithm"] == algorithm]
         reached = [(row["aggregate"], row["epochs"]) for row in mine if row["epochs"] is not None]
         missed = [row["aggregate"] for row in mine if row["epochs"] is None]
-        line, = ax.plot([x for x, _ in reached], [y for _, y in reached], marker=marker, label=algorithm)
+        (line,) = ax.plot([x for x, _ in reached], [y for _, y in reached], marker=marker, label=algorithm)
         if missed:
-            ax.scatter(missed, [budget.epochs] * len(missed), marker=marker, facecolors="none",
-                       edgecolors=line.get_color(), label=f"{algorithm}: not reached in {budget.epochs:g} epochs")
+            ax.scatter(
+                missed,
+                [budget.epochs] * len(missed),
+                marker=marker,
+                facecolors="none",
+                edgecolors=line.get_color(),
+                label=f"{algorithm}: not reached in {budget.epochs:g} epochs",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(budget.aggregates, [str(a) for a in budget.aggregates])
     ax.set_ylim(bottom=0)
@@ -73,21 +89,48 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    common = {"model": budget.model, "dataset": budget.dataset, "target_accuracy": budget.target_accuracy,
-              "eval_every": budget.eval_every, "epochs": budget.epochs, "threads": 1}
-    configs = {f"{name} aggregate={aggregate}": config
-               for aggregate in budget.aggregates for name, config in points(aggregate).items()}
-    runs = harness.interleave({name: harness.seeded("crossbow", RANKS, {**common, **config}, budget.timeout_s)
-                               for name, config in configs.items()}, options.reps)
-    rows = [{"algorithm": config["algorithm"], "aggregate": RANKS * config["learners"] * config["batch_size"],
-             "k": config["learners"], "b": config["batch_size"], "lr": config["lr"], "alpha": config.get("alpha"),
-             **harness.train_row(runs, name)} for name, config in configs.items()]
+    common = {
+        "model": budget.model,
+        "dataset": budget.dataset,
+        "target_accuracy": budget.target_accuracy,
+        "eval_every": budget.eval_every,
+        "epochs": budget.epochs,
+        "threads": 1,
+    }
+    configs = {
+        f"{name} aggregate={aggregate}": config
+        for aggregate in budget.aggregates
+        for name, config in points(aggregate).items()
+    }
+    runs = harness.interleave(
+        {
+            name: harness.seeded("crossbow", RANKS, {**common, **config}, budget.timeout_s)
+            for name, config in configs.items()
+        },
+        options.reps,
+    )
+    rows = [
+        {
+            "algorithm": config["algorithm"],
+            "aggregate": RANKS * config["learners"] * config["batch_size"],
+            "k": config["learners"],
+            "b": config["batch_size"],
+            "lr": config["lr"],
+            "alpha": config.get("alpha"),
+            **harness.train_row(runs, name),
+        }
+        for name, config in configs.items()
+    ]
     return harness.Report(
         question=f"Epochs to {budget.target_accuracy:.0%} test accuracy against the aggregate batch, "
-                 f"{budget.model} on {budget.dataset}, {RANKS} ranks × 1 thread (medians; '-': not reached "
-                 f"within {budget.epochs:g} epochs; accuracy: at the end of the run)",
-        columns=COLUMNS, rows=rows, runs=runs, settings={"ranks": RANKS, "budget": asdict(budget), "configs": configs},
-        files=plot(rows, budget, options.out / "stat_efficiency.png"))
+        f"{budget.model} on {budget.dataset}, {RANKS} ranks × 1 thread (medians; '-': not reached "
+        f"within {budget.epochs:g} epochs; accuracy: at the end of the run)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"ranks": RANKS, "budget": asdict(budget), "configs": configs},
+        files=plot(rows, budget, options.out / "stat_efficiency.png"),
+    )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def worker(settings: dict) -> dict:
     torch.manual_seed(1)
     results = {}
     for name, shape in MODELS.items():
+
         def model_fn(name=name, shape=shape):
             return build_model(name, shape, 10)
 
@@ -72,16 +73,21 @@ def worker(settings: dict) -> dict:
                 elapsed = np.array([(time.perf_counter() - started) / settings["calls"]])
                 comm.mpi_comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
                 return {"us": float(elapsed[0]) * 1e6}
+
             return loop
 
-        variants = {"sma_step": timed(lambda: sma.step(0.01)),
-                    "allreduce": timed(lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer))}
+        variants = {
+            "sma_step": timed(lambda: sma.step(0.01)),
+            "allreduce": timed(lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)),
+        }
         for loop in variants.values():
             loop(-1)  # warm up
         runs = harness.interleave(variants, settings["reps"], quiet=True)
-        results[name] = {"floats": layout.num_state, "runs": runs,
-                         **{f"{v}_us": statistics.median(harness.column(runs, v, "us"))
-                            for v in ("sma_step", "allreduce")}}
+        results[name] = {
+            "floats": layout.num_state,
+            "runs": runs,
+            **{f"{v}_us": statistics.median(harness.column(runs, v, "us")) for v in ("sma_step", "allreduce")},
+        }
     return results
 
 
@@ -90,18 +96,30 @@ def measure(options: harness.Options) -> harness.Report:
     rows, runs = [], []
     for ranks in budget.ranks:
         harness.log(f"sync_cost: {ranks} ranks")
-        measured = harness.run_worker(options.name, ranks, {"calls": budget.calls, "reps": options.reps},
-                                      budget.timeout_s)
+        measured = harness.run_worker(
+            options.name, ranks, {"calls": budget.calls, "reps": options.reps}, budget.timeout_s
+        )
         for model, result in measured.items():
-            rows.append({"ranks": ranks, "model": model, "floats": result["floats"],
-                         "sma_step_us": result["sma_step_us"], "allreduce_us": result["allreduce_us"],
-                         "ratio": harness.ratio(result["sma_step_us"], result["allreduce_us"])})
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "model": model,
+                    "floats": result["floats"],
+                    "sma_step_us": result["sma_step_us"],
+                    "allreduce_us": result["allreduce_us"],
+                    "ratio": harness.ratio(result["sma_step_us"], result["allreduce_us"]),
+                }
+            )
             runs += [{"ranks": ranks, "model": model, **run} for run in result["runs"]]
     return harness.Report(
         question=f"One SMA step ({LEARNERS} learners per rank) against a raw Allreduce of the model's float32 state, "
-                 "µs per call on the slowest rank (medians of alternating loops; 1 thread per rank, "
-                 "more ranks than cores oversubscribe them)",
-        columns=COLUMNS, rows=rows, runs=runs, settings={"learners": LEARNERS, "budget": asdict(budget)})
+        "µs per call on the slowest rank (medians of alternating loops; 1 thread per rank, "
+        "more ranks than cores oversubscribe them)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"learners": LEARNERS, "budget": asdict(budget)},
+    )
 
 
 if __name__ == "__main__":

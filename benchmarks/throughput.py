@@ -33,21 +33,45 @@ COLUMNS = ["system", "samples_per_s", "min", "max", "vs_ddp"]
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    flags = {"model": budget.model, "dataset": budget.dataset, "batch_size": BATCH, "lr": LR, "epochs": budget.epochs,
-             "target_accuracy": 0, "eval_every": harness.NEVER, "threads": 1}
+    flags = {
+        "model": budget.model,
+        "dataset": budget.dataset,
+        "batch_size": BATCH,
+        "lr": LR,
+        "epochs": budget.epochs,
+        "target_accuracy": 0,
+        "eval_every": harness.NEVER,
+        "threads": 1,
+    }
     systems = {"ddp": {}, "crossbow": {"algorithm": "ssgd", "learners": 1}}
-    runs = harness.interleave({system: harness.seeded(system, RANKS, {**flags, **extra}, budget.timeout_s)
-                               for system, extra in systems.items()}, options.reps)
+    runs = harness.interleave(
+        {
+            system: harness.seeded(system, RANKS, {**flags, **extra}, budget.timeout_s)
+            for system, extra in systems.items()
+        },
+        options.reps,
+    )
     reference = harness.median(harness.column(runs, "ddp", "samples_per_s"))
     rows = []
     for system in systems:
         rates = harness.column(runs, system, "samples_per_s")
-        rows.append({"system": system, "samples_per_s": harness.median(rates), "min": min(rates), "max": max(rates),
-                     "vs_ddp": harness.ratio(harness.median(rates), reference)})
+        rows.append(
+            {
+                "system": system,
+                "samples_per_s": harness.median(rates),
+                "min": min(rates),
+                "max": max(rates),
+                "vs_ddp": harness.ratio(harness.median(rates), reference),
+            }
+        )
     return harness.Report(
         question=f"Training samples/s of S-SGD, {budget.model} on {budget.dataset}, batch {BATCH} per rank, "
-                 f"{RANKS} ranks × 1 thread (medians; vs_ddp = samples/s / DDP's)",
-        columns=COLUMNS, rows=rows, runs=runs, settings={"ranks": RANKS, "budget": asdict(budget), "flags": flags})
+        f"{RANKS} ranks × 1 thread (medians; vs_ddp = samples/s / DDP's)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"ranks": RANKS, "budget": asdict(budget), "flags": flags},
+    )
 
 
 if __name__ == "__main__":

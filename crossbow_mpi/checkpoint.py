@@ -44,16 +44,19 @@ def checkpoint_path(run_dir: str, iteration: int) -> Path:
     return Path(run_dir) / f"checkpoint-{iteration:09d}.h5"
 
 
-def save(world: Communicator, run_dir: str, snapshot: dict, config_json: str, layout_signature: str,
-         keep: int) -> Path:
+def save(world: Communicator, run_dir: str, snapshot: dict, config_json: str, layout_signature: str, keep: int) -> Path:
     """Write every rank's snapshot (`Run.state_dict` plus the tuner's) as one checkpoint (collective); keep the
     newest `keep` checkpoints. The ranks' training-loss windows are summed into rank 0's state."""
     train = dict(snapshot["train"])
     train["loss_sum"], train["loss_count"] = world.allreduce_sum_numbers([train["loss_sum"], train["loss_count"]])
     train["loss_count"] = int(train["loss_count"])
     learners = snapshot["learners"]
-    rank_parts = [json.dumps(snapshot["hyperparams"]).encode(), _bytes(learners["weights"]),
-                  _bytes(learners["momentum"]), json.dumps(snapshot["rng"]).encode()]
+    rank_parts = [
+        json.dumps(snapshot["hyperparams"]).encode(),
+        _bytes(learners["weights"]),
+        _bytes(learners["momentum"]),
+        json.dumps(snapshot["rng"]).encode(),
+    ]
     gathered = [world.gather_bytes(part) for part in rank_parts]
     path = checkpoint_path(run_dir, train["iteration"])
     error = None
@@ -73,8 +76,9 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return np.ascontiguousarray(tensor.detach().cpu().numpy()).tobytes()
 
 
-def _write(path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]], config_json: str,
-           layout_signature: str) -> None:
+def _write(
+    path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]], config_json: str, layout_signature: str
+) -> None:
     central = snapshot["central"]
     z, u = central["z"].cpu().numpy(), central["u"].cpu().numpy()
     tmp = path.with_name(path.name + ".tmp")
@@ -165,13 +169,21 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     mine = world.rank < header["world_size"]
     learners = None
     if mine:
-        learners = {"weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
-                    "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel())}
+        learners = {
+            "weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
+            "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel()),
+        }
     source = world.rank if mine else 0
-    snapshot = {"train": header["state"], "tuner": header["tuner"], "algorithm": header["algorithm"],
-                "hyperparams": header["hyperparams"][source], "k": header["learners"][source],
-                "central": {"z": z, "u": u, "extra": extra}, "learners": learners,
-                "rng": json.loads(rng) if mine else None}
+    snapshot = {
+        "train": header["state"],
+        "tuner": header["tuner"],
+        "algorithm": header["algorithm"],
+        "hyperparams": header["hyperparams"][source],
+        "k": header["learners"][source],
+        "central": {"z": z, "u": u, "extra": extra},
+        "learners": learners,
+        "rng": json.loads(rng) if mine else None,
+    }
     return snapshot, header["notes"]
 
 
@@ -184,9 +196,14 @@ def _read_arrays(path: str, world_size: int) -> dict:
         def per_rank(name: str) -> list[bytes]:
             return [f[f"ranks/{r}/{name}"][...].tobytes() if r < held else b"" for r in range(world_size)]
 
-        return {"z": f["central/z"][...].tobytes(), "u": f["central/u"][...].tobytes(),
-                "extra": f["central/extra"][...].tobytes(),
-                "weights": per_rank("weights"), "momentum": per_rank("momentum"), "rng": per_rank("rng")}
+        return {
+            "z": f["central/z"][...].tobytes(),
+            "u": f["central/u"][...].tobytes(),
+            "extra": f["central/extra"][...].tobytes(),
+            "weights": per_rank("weights"),
+            "momentum": per_rank("momentum"),
+            "rng": per_rank("rng"),
+        }
 
 
 def _read_header(run_dir: str, layout_signature: str) -> dict:
@@ -197,12 +214,17 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
         if f.attrs["layout_signature"] != layout_signature:
             return {"error": f"--resume: {path} holds a different model (layout {f.attrs['layout_signature']})"}
         held = int(f.attrs["world_size"])
-        return {"path": str(path), "world_size": held, "dtype": f["central/z"].dtype.str,
-                "state": json.loads(f["train"].attrs["state"]), "tuner": json.loads(f["train"].attrs["tuner"]),
-                "algorithm": json.loads(f["train"].attrs["algorithm"]),
-                "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
-                "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
-                "notes": notes + [f"resumed from {path.name}"]}
+        return {
+            "path": str(path),
+            "world_size": held,
+            "dtype": f["central/z"].dtype.str,
+            "state": json.loads(f["train"].attrs["state"]),
+            "tuner": json.loads(f["train"].attrs["tuner"]),
+            "algorithm": json.loads(f["train"].attrs["algorithm"]),
+            "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
+            "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
+            "notes": notes + [f"resumed from {path.name}"],
+        }
 
 
 def _tensor(data: bytes, dtype: str) -> torch.Tensor:

@@ -69,15 +69,24 @@ class DivergenceCheck:
             bad = self.world.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
             culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
             where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
-            raise DivergenceError(f"training diverged at iteration {iteration}: {where}; "
-                                  "the last good checkpoint is kept")
+            raise DivergenceError(
+                f"training diverged at iteration {iteration}: {where}; the last good checkpoint is kept"
+            )
 
 
 class Evaluation:
     """Evaluate z on the test set when due, and write the record with the training window's loss and speed."""
 
-    def __init__(self, config: Config, data: Communicator, test_set, loss_fn, output_fn: OutputFn | None,
-                 metrics: MetricsLog, progress: Progress):
+    def __init__(
+        self,
+        config: Config,
+        data: Communicator,
+        test_set,
+        loss_fn,
+        output_fn: OutputFn | None,
+        metrics: MetricsLog,
+        progress: Progress,
+    ):
         self.config = config
         self.data = data
         self.test_set = test_set
@@ -102,10 +111,18 @@ class Evaluation:
         run.central.check_extra_state(self.data)
         accuracy, loss = evaluate_model(run.central.module, self.test_set, self.data, self.loss_fn, self.output_fn)
         train_loss = self.data.allreduce_sum_numbers([state.loss_sum, state.loss_count])
-        record = {"time_s": elapsed_s, "epoch": run.epoch_progress, "iteration": state.iteration,
-                  "samples": state.samples, "test_accuracy": accuracy, "test_loss": loss,
-                  "train_loss": train_loss[0] / max(train_loss[1], 1), "learners": run.learners.k,
-                  "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9), "lr": lr}
+        record = {
+            "time_s": elapsed_s,
+            "epoch": run.epoch_progress,
+            "iteration": state.iteration,
+            "samples": state.samples,
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "train_loss": train_loss[0] / max(train_loss[1], 1),
+            "learners": run.learners.k,
+            "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9),
+            "lr": lr,
+        }
         record.update(run.algorithm.statistics())
         state.loss_sum, state.loss_count = 0.0, 0
         state.last_eval = state.iteration
@@ -120,8 +137,9 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn,
-                   output_fn: OutputFn | None = None) -> tuple[float, float]:
+def evaluate_model(
+    module: nn.Module, dataset, comm: Communicator, loss_fn, output_fn: OutputFn | None = None
+) -> tuple[float, float]:
     """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
     module.eval()
     device = next(module.parameters()).device
@@ -143,8 +161,16 @@ def evaluate_model(module: nn.Module, dataset, comm: Communicator, loss_fn,
 class Tuning:
     """With `--learners auto`: measure throughput over windows of steps and change the learners per rank."""
 
-    def __init__(self, config: Config, world: Communicator, run: Run, device: torch.device, local_size: int,
-                 metrics: MetricsLog, progress: Progress):
+    def __init__(
+        self,
+        config: Config,
+        world: Communicator,
+        run: Run,
+        device: torch.device,
+        local_size: int,
+        metrics: MetricsLog,
+        progress: Progress,
+    ):
         self.config = config
         self.world = world
         self.metrics = metrics
@@ -154,8 +180,15 @@ class Tuning:
             max_learners = min(config.max_learners, run.num_samples // (world.size * config.batch_size))
             layout = run.layout
             bytes_per_learner = (layout.num_state + 2 * layout.num_params) * run.central.z.element_size()
-            self.tuner = AutoTuner(Policy(config.autotune_threshold, max_learners), config.autotune_interval, world,
-                                   device, config.max_memory, local_size, bytes_per_learner)
+            self.tuner = AutoTuner(
+                Policy(config.autotune_threshold, max_learners),
+                config.autotune_interval,
+                world,
+                device,
+                config.max_memory,
+                local_size,
+                bytes_per_learner,
+            )
 
     def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:
         if self.tuner is None:
@@ -165,8 +198,10 @@ class Tuning:
             return
         run.resize(decision["learners"])
         self.metrics.write({**decision, "iteration": run.state.iteration, "time_s": elapsed_s})
-        self.progress.note(f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
-                           f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})")
+        self.progress.note(
+            f"autotune: {decision['decision']} -> {decision['learners']} learners/rank "
+            f"({decision['samples_per_s'] or 0:.0f} samples/s with {decision['measured_learners']})"
+        )
 
     def on_lr_drop(self, run: Run) -> None:
         if self.tuner is not None and self.config.autotune_on_lr_drop:
@@ -199,8 +234,9 @@ class Controllers:
         for controller in self.controllers:
             changed = run.hp.update(**(controller(run, step) or {}))
             if changed:
-                self.metrics.write({"event": "hyperparams", "iteration": run.state.iteration, "time_s": elapsed_s,
-                                    "changes": changed})
+                self.metrics.write(
+                    {"event": "hyperparams", "iteration": run.state.iteration, "time_s": elapsed_s, "changes": changed}
+                )
 
 
 class Checkpoints:
@@ -220,8 +256,14 @@ class Checkpoints:
         snapshot = run.state_dict()
         snapshot["train"]["elapsed_s"] = elapsed_s
         snapshot["tuner"] = self.tuning.state_dict()
-        checkpoint.save(self.world, self.config.run_dir, snapshot, self.config.to_json(), run.layout.signature,
-                        self.config.keep_checkpoints)
+        checkpoint.save(
+            self.world,
+            self.config.run_dir,
+            snapshot,
+            self.config.to_json(),
+            run.layout.signature,
+            self.config.keep_checkpoints,
+        )
 
     def restore(self, run: Run) -> list[str]:
         """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
@@ -258,8 +300,17 @@ class Components:
     progress: Progress
 
     @classmethod
-    def build(cls, config: Config, topology: Topology, run: Run, test_set, loss_fn, output_fn: OutputFn | None,
-              controllers: Sequence[Controller], device: torch.device) -> "Components":
+    def build(
+        cls,
+        config: Config,
+        topology: Topology,
+        run: Run,
+        test_set,
+        loss_fn,
+        output_fn: OutputFn | None,
+        controllers: Sequence[Controller],
+        device: torch.device,
+    ) -> "Components":
         """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
         world = topology.world
         metrics = MetricsLog(config.run_dir, world.rank == 0, config.tensorboard)
@@ -269,12 +320,18 @@ class Components:
         for note in checkpoints.restore(run) if config.resume else []:
             progress.note(note)
         progress.advance(run.state.samples)
-        return cls(schedule=Schedule(config),
-                   evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
-                   checkpoints=checkpoints, tuning=tuning, controllers=Controllers(controllers, metrics),
-                   divergence=DivergenceCheck(world), stopping=StopAgreement(world, STOP_LAG, runtime.stop_requested),
-                   watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
-                   metrics=metrics, progress=progress)
+        return cls(
+            schedule=Schedule(config),
+            evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
+            checkpoints=checkpoints,
+            tuning=tuning,
+            controllers=Controllers(controllers, metrics),
+            divergence=DivergenceCheck(world),
+            stopping=StopAgreement(world, STOP_LAG, runtime.stop_requested),
+            watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
+            metrics=metrics,
+            progress=progress,
+        )
 
     def finish(self, run: Run) -> None:
         """Complete the stop votes, close the progress display and release the engine's workers (collective)."""

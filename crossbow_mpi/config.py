@@ -138,20 +138,33 @@ class Config:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{_flag(name)}: unknown value {getattr(self, name)!r} "
-                                  f"(choose from {', '.join(allowed)})")
+                raise ConfigError(
+                    f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})"
+                )
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":
             raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
-        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners",
-                    "eager_sync_every")
+        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners", "eager_sync_every")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        non_negative = ("lr", "momentum", "weight_decay", "alpha", "central_momentum", "lr_gamma",
-                        "warmup_epochs", "eval_every", "threads", "checkpoint_every", "seed",
-                        "autotune_threshold", "max_memory", "collective_timeout")
+        non_negative = (
+            "lr",
+            "momentum",
+            "weight_decay",
+            "alpha",
+            "central_momentum",
+            "lr_gamma",
+            "warmup_epochs",
+            "eval_every",
+            "threads",
+            "checkpoint_every",
+            "seed",
+            "autotune_threshold",
+            "max_memory",
+            "collective_timeout",
+        )
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")

@@ -173,14 +173,14 @@ class StreamEngine(LearnerEngine):
         self.overlaps_sync = algorithm.overlaps_sync
         current = torch.cuda.current_stream()
         algorithm.allocate_message()
-        for j, stream in enumerate(self.streams[:algorithm.learners.k]):
+        for j, stream in enumerate(self.streams[: algorithm.learners.k]):
             stream.wait_stream(current)
             self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
                 algorithm.local_step(slice(j, j + 1), lr)
 
     def sync(self, algorithm: Algorithm, lr: float) -> None:
-        for stream in self.streams[:algorithm.learners.k]:
+        for stream in self.streams[: algorithm.learners.k]:
             self.sync_stream.wait_stream(stream)
         self.sync_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.sync_stream):
@@ -212,8 +212,9 @@ def check_engine(name: str, device: torch.device) -> None:
         raise ConfigError("--engine streams needs CUDA devices (--device cuda)")
 
 
-def build_engine(name: str, loss_fn: LossFn, threads: int, device: torch.device,
-                 precision: str = "fp32") -> LearnerEngine:
+def build_engine(
+    name: str, loss_fn: LossFn, threads: int, device: torch.device, precision: str = "fp32"
+) -> LearnerEngine:
     """Return the named engine; `auto`: CUDA streams on a GPU, threads on a CPU rank with several threads."""
     if name == "auto":
         name = "streams" if device.type == "cuda" else "threads" if threads > 1 else "sequential"

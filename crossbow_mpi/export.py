@@ -46,10 +46,15 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     z, extra, signature = checkpoint.read_central(path)
     module = build_model(config.model, *dataset_shape(config.dataset))
     layout = FlatLayout(module)
-    if (signature, z.numel(), len(extra)) != (layout.signature, layout.num_state,
-                                              len(layout.extra_state_bytes(module))):
-        raise ConfigError(f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
-                          f"on {config.dataset} (layout {layout.signature})")
+    if (signature, z.numel(), len(extra)) != (
+        layout.signature,
+        layout.num_state,
+        len(layout.extra_state_bytes(module)),
+    ):
+        raise ConfigError(
+            f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
+            f"on {config.dataset} (layout {layout.signature})"
+        )
     return layout.load(module, z, extra), config, path
 
 
@@ -73,8 +78,11 @@ def export(run_dir: str, out: str, checkpoint_file: str | None = None) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m crossbow_mpi.export",
-                     description="Write a run's trained model as a safetensors state_dict.", allow_abbrev=False)
+    parser = ArgumentParser(
+        prog="python -m crossbow_mpi.export",
+        description="Write a run's trained model as a safetensors state_dict.",
+        allow_abbrev=False,
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.json and checkpoints)")
     parser.add_argument("--checkpoint", metavar="FILE", help="checkpoint to export (default: the newest valid one)")
     parser.add_argument("--out", metavar="FILE", required=True, help="the .safetensors file to write")

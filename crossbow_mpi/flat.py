@@ -78,8 +78,9 @@ class FlatLayout:
     def flatten(self, model: nn.Module) -> torch.Tensor:
         """Return a new state vector holding a copy of the model's trainable parameters and float buffers."""
         modules = dict(model.named_modules())
-        return torch.cat([getattr(modules[s.module], s.name).detach().reshape(-1)
-                          for s in self.param_slots + self.buffer_slots])
+        return torch.cat(
+            [getattr(modules[s.module], s.name).detach().reshape(-1) for s in self.param_slots + self.buffer_slots]
+        )
 
     def bind(self, model: nn.Module, state: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Make the model's trainable parameters (and gradients) and float buffers views of `state` (and `grad`)."""
@@ -87,11 +88,11 @@ class FlatLayout:
         modules = dict(model.named_modules())
         for s in self.param_slots:
             param = getattr(modules[s.module], s.name)  # one Parameter object, however many modules hold it
-            param.data = state[s.offset:s.offset + s.numel].view(s.shape)
-            param.grad = None if grad is None else grad[s.offset:s.offset + s.numel].view(s.shape)
+            param.data = state[s.offset : s.offset + s.numel].view(s.shape)
+            param.grad = None if grad is None else grad[s.offset : s.offset + s.numel].view(s.shape)
         holders = _buffer_holders(model)
         for s in self.buffer_slots:
-            view = state[s.offset:s.offset + s.numel].view(s.shape)
+            view = state[s.offset : s.offset + s.numel].view(s.shape)
             for module, name in holders[id(getattr(modules[s.module], s.name))]:
                 module._buffers[name] = view
 
@@ -102,7 +103,7 @@ class FlatLayout:
         assert state.shape == (self.num_state,)
         modules = dict(model.named_modules())
         for s in self.param_slots + self.buffer_slots:
-            getattr(modules[s.module], s.name).copy_(state[s.offset:s.offset + s.numel].view(s.shape))
+            getattr(modules[s.module], s.name).copy_(state[s.offset : s.offset + s.numel].view(s.shape))
         self.load_extra_state_bytes(model, extra)
         return model
 
@@ -111,7 +112,7 @@ class FlatLayout:
         modules = dict(model.named_modules())
         for s in self.param_slots:
             g = getattr(modules[s.module], s.name).grad
-            if g is None or g.data_ptr() != grad[s.offset:].data_ptr():
+            if g is None or g.data_ptr() != grad[s.offset :].data_ptr():
                 return False
         return True
 
@@ -136,7 +137,7 @@ class FlatLayout:
         state, offset = {}, 0
         for name, own in self.extra_state(model).items():
             size = own.numel() * own.element_size()
-            raw = torch.frombuffer(bytearray(data[offset:offset + size]), dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8)
             state[name] = raw.view(own.dtype).view(own.shape)
             offset += size
         assert offset == len(data), "extra state of another layout"

@@ -1,7 +1,7 @@
 """Injected load imbalance, for tests and benchmarks of straggler-tolerant algorithms.
 
-    random:MS[:N]          every step, N ranks (default: 1 or 2, drawn) chosen by a shared-seed RNG sleep MS ms
-    slow-rank:R:FACTOR     rank R takes FACTOR times as long as its own compute on every step
+random:MS[:N]          every step, N ranks (default: 1 or 2, drawn) chosen by a shared-seed RNG sleep MS ms
+slow-rank:R:FACTOR     rank R takes FACTOR times as long as its own compute on every step
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def parse_imbalance(spec: str, seed: int, world_size: int | None = None) -> Imba
     parts = spec.split(":")
     try:
         if parts[0] == "random" and len(parts) in (2, 3):
-            imbalance = Imbalance("random", milliseconds=float(parts[1]),
-                                  count=int(parts[2]) if len(parts) == 3 else None, seed=seed)
+            imbalance = Imbalance(
+                "random", milliseconds=float(parts[1]), count=int(parts[2]) if len(parts) == 3 else None, seed=seed
+            )
             if imbalance.milliseconds < 0 or (imbalance.count is not None and imbalance.count < 1):
                 raise ValueError
         elif parts[0] == "slow-rank" and len(parts) == 3:
@@ -51,8 +52,10 @@ def parse_imbalance(spec: str, seed: int, world_size: int | None = None) -> Imba
         else:
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--inject-imbalance: invalid value {spec!r} "
-                          "(expected random:MS[:N] or slow-rank:R:FACTOR with FACTOR >= 1)") from None
+        raise ConfigError(
+            f"--inject-imbalance: invalid value {spec!r} "
+            "(expected random:MS[:N] or slow-rank:R:FACTOR with FACTOR >= 1)"
+        ) from None
     if world_size is not None and imbalance.kind == "slow-rank" and imbalance.slow_rank >= world_size:
         raise ConfigError(f"--inject-imbalance: rank {imbalance.slow_rank} does not exist in a job of {world_size}")
     return imbalance

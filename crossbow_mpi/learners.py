@@ -23,16 +23,15 @@ class CentralModel:
 
     @property
     def params(self) -> torch.Tensor:
-        return self.z[:self.layout.num_params]
+        return self.z[: self.layout.num_params]
 
     @property
     def buffers(self) -> torch.Tensor:
-        return self.z[self.layout.num_params:]
+        return self.z[self.layout.num_params :]
 
     def state_dict(self) -> dict:
         """Return z, u and z's extra state (frozen parameters and non-float buffers, as bytes)."""
-        return {"z": self.z.detach().clone(), "u": self.u.clone(),
-                "extra": self.layout.extra_state_bytes(self.module)}
+        return {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
 
     def load_state_dict(self, state: dict) -> None:
         self.z.copy_(state["z"])
@@ -55,9 +54,11 @@ class CentralModel:
         gathered = comm.allgather_json(digests)
         differing = [name for name in digests if any(d[name] != gathered[0][name] for d in gathered)]
         if differing:
-            raise ConfigError(f"the model's non-float buffers or frozen parameters {', '.join(differing)} differ "
-                              "between ranks: its forward pass changes them differently on each rank, which "
-                              "crossbow_mpi cannot keep consistent (see the README, Python API)")
+            raise ConfigError(
+                f"the model's non-float buffers or frozen parameters {', '.join(differing)} differ "
+                "between ranks: its forward pass changes them differently on each rank, which "
+                "crossbow_mpi cannot keep consistent (see the README, Python API)"
+            )
 
 
 class Learners:
@@ -79,11 +80,11 @@ class Learners:
 
     @property
     def params(self) -> torch.Tensor:
-        return self.weights[:, :self.layout.num_params]
+        return self.weights[:, : self.layout.num_params]
 
     @property
     def buffers(self) -> torch.Tensor:
-        return self.weights[:, self.layout.num_params:]
+        return self.weights[:, self.layout.num_params :]
 
     def resize(self, k: int, z: torch.Tensor) -> None:
         """Keep the first min(k, self.k) learners; new ones start as copies of z with zero momentum."""

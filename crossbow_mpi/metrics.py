@@ -17,8 +17,9 @@ def summary_writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'crossbow_mpi[tensorboard]'") \
-            from None
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install 'crossbow_mpi[tensorboard]'"
+        ) from None
     return SummaryWriter
 
 
@@ -72,10 +73,12 @@ class Progress:
     def report(self, record: dict) -> None:
         if not self.enabled:
             return
-        line = (f"epoch {record['epoch']:.2f} iter {record['iteration']} "
-                f"test_acc {record['test_accuracy']:.4f} test_loss {record['test_loss']:.4f} "
-                f"train_loss {record['train_loss']:.4f} {record['samples_per_s']:.0f} samples/s "
-                f"k={record['learners']} t={record['time_s']:.1f}s")
+        line = (
+            f"epoch {record['epoch']:.2f} iter {record['iteration']} "
+            f"test_acc {record['test_accuracy']:.4f} test_loss {record['test_loss']:.4f} "
+            f"train_loss {record['train_loss']:.4f} {record['samples_per_s']:.0f} samples/s "
+            f"k={record['learners']} t={record['time_s']:.1f}s"
+        )
         if self.bar is not None:
             self.bar.set_postfix_str(f"acc {record['test_accuracy']:.4f}")
             self.bar.write(line, file=sys.stderr)

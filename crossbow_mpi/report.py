@@ -75,8 +75,10 @@ def _label(name: str, config: dict, events: list[dict]) -> str:
         return name
     ranks = next((r["world_size"] for r in events if r["event"] == "summary"), "?")
     extra = f", {config['eager_mode']}" if config["algorithm"] == "eager" else ""
-    return (f"{name}: {config['algorithm']}{extra}, {config['model']}/{config['dataset']}, {ranks} rank(s) × "
-            f"{config['learners']} learners, batch {config['batch_size']}, lr {config['lr']:g}")
+    return (
+        f"{name}: {config['algorithm']}{extra}, {config['model']}/{config['dataset']}, {ranks} rank(s) × "
+        f"{config['learners']} learners, batch {config['batch_size']}, lr {config['lr']:g}"
+    )
 
 
 def summary_line(run: RunRecords) -> str:
@@ -91,28 +93,38 @@ def summary_line(run: RunRecords) -> str:
     else:
         outcome = f"target {target:.2%} reached in {reached:.1f} s"
     unfinished = "" if run.of("summary") else "; no summary record (stopped early or still running)"
-    return (f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
-            f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{unfinished}")
+    return (
+        f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
+        f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{unfinished}"
+    )
 
 
 def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
     """Return (title, x label, y label, draw(ax, run, color)) for every panel some run has data for."""
-    panels = [("Test accuracy over time", "training time (s)", "test accuracy", _series("time_s", "test_accuracy")),
-              ("Test accuracy per epoch", "epoch", "test accuracy", _series("epoch", "test_accuracy")),
-              ("Training loss", "epoch", "mean training loss since the last evaluation",
-               _series("epoch", "train_loss")),
-              ("Throughput", "training time (s)", "samples/s (all ranks)", _series("time_s", "samples_per_s")),
-              ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
-              ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams)]
+    panels = [
+        ("Test accuracy over time", "training time (s)", "test accuracy", _series("time_s", "test_accuracy")),
+        ("Test accuracy per epoch", "epoch", "test accuracy", _series("epoch", "test_accuracy")),
+        ("Training loss", "epoch", "mean training loss since the last evaluation", _series("epoch", "train_loss")),
+        ("Throughput", "training time (s)", "samples/s (all ranks)", _series("time_s", "samples_per_s")),
+        ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
+        ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams),
+    ]
     if any(EAGER_FRESH in r for run in runs for r in run.evaluations):
-        panels.append(("eager-SGD: fresh contributions per round (solid),\nsynchronous share of rounds (dashed)",
-                       "training time (s)", "per round", _draw_eager))
+        panels.append(
+            (
+                "eager-SGD: fresh contributions per round (solid),\nsynchronous share of rounds (dashed)",
+                "training time (s)",
+                "per round",
+                _draw_eager,
+            )
+        )
     return panels
 
 
 def _series(x: str, y: str):
     def draw(ax, run: RunRecords, color) -> None:
         ax.plot([r[x] for r in run.evaluations], [r[y] for r in run.evaluations], color=color, marker=".")
+
     return draw
 
 
@@ -132,8 +144,16 @@ def _draw_hyperparams(ax, run: RunRecords, color) -> None:
     for change in run.of("hyperparams"):
         ax.axvline(change["time_s"], color=color, linestyle=":")
         text = ", ".join(f"{name} {old:g}→{new:g}" for name, (old, new) in change["changes"].items())
-        ax.annotate(text, (change["time_s"], 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
-                    ha="right", fontsize=7, color=color)
+        ax.annotate(
+            text,
+            (change["time_s"], 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color=color,
+        )
 
 
 def _draw_eager(ax, run: RunRecords, color) -> None:
@@ -164,7 +184,7 @@ def draw(runs: list[RunRecords]):
             draw_run(ax, run, colors[index % len(colors)])
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.remove()
     handles = [plt.Line2D([], [], color=colors[i % len(colors)]) for i in range(len(runs))]
     figure.legend(handles, [run.label for run in runs], loc="lower center", ncol=1, fontsize=9)
@@ -188,8 +208,11 @@ def report(run_dirs: list[str], out: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m crossbow_mpi.report", allow_abbrev=False,
-                            description="Draw runs side by side and print their time to target and final accuracy.")
+    parser = ArgumentParser(
+        prog="python -m crossbow_mpi.report",
+        allow_abbrev=False,
+        description="Draw runs side by side and print their time to target and final accuracy.",
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl)")
     parser.add_argument("--out", metavar="FILE", required=True, help="the image to write (PNG)")
     try:

@@ -40,8 +40,17 @@ class Step:
 class Run:
     """Everything one `fit` trains on this rank."""
 
-    def __init__(self, config: Config, topology: Topology, engine: LearnerEngine, device: torch.device,
-                 model_fn: Callable[[], nn.Module], train_set, learners: int, imbalance: Imbalance | None = None):
+    def __init__(
+        self,
+        config: Config,
+        topology: Topology,
+        engine: LearnerEngine,
+        device: torch.device,
+        model_fn: Callable[[], nn.Module],
+        train_set,
+        learners: int,
+        imbalance: Imbalance | None = None,
+    ):
         self.topology = topology
         self.engine = engine
         self.imbalance = imbalance
@@ -104,9 +113,14 @@ class Run:
 
     def state_dict(self) -> dict:
         """Return a snapshot of this rank's whole training state (settle and drain first)."""
-        return {"train": self.state.to_dict(), "hyperparams": self.hp.to_dict(),
-                "central": self.central.state_dict(), "learners": self.learners.state_dict(),
-                "algorithm": self.algorithm.state_dict(), "rng": copy.deepcopy(runtime.rng_state())}
+        return {
+            "train": self.state.to_dict(),
+            "hyperparams": self.hp.to_dict(),
+            "central": self.central.state_dict(),
+            "learners": self.learners.state_dict(),
+            "algorithm": self.algorithm.state_dict(),
+            "rng": copy.deepcopy(runtime.rng_state()),
+        }
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).

@@ -62,9 +62,11 @@ def check_world_size(size: int, environ=os.environ) -> None:
     """Refuse an MPI world that is not the set of processes the launcher started (each process its own job)."""
     launcher = launcher_variables(environ)
     if launcher is not None and int(environ[launcher[0]]) != size:
-        raise ConfigError(f"{launcher[0]}={environ[launcher[0]]} processes were launched, but MPI sees a world of "
-                          f"{size}: they did not join one job; start them with `srun --mpi=pmix` or with the "
-                          f"mpirun of the MPI that mpi4py was built with")
+        raise ConfigError(
+            f"{launcher[0]}={environ[launcher[0]]} processes were launched, but MPI sees a world of "
+            f"{size}: they did not join one job; start them with `srun --mpi=pmix` or with the "
+            f"mpirun of the MPI that mpi4py was built with"
+        )
 
 
 def check_thread_level(provided: int) -> None:
@@ -72,9 +74,11 @@ def check_thread_level(provided: int) -> None:
     MPI = mpi()
     if provided < MPI.THREAD_MULTIPLE:
         level = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
-        raise ConfigError(f"MPI provides MPI_THREAD_{level.get(provided, provided)}, not MPI_THREAD_MULTIPLE, which "
-                          f"the hang watchdog and eager-SGD need: on Cray MPICH export "
-                          f"MPICH_MAX_THREAD_SAFETY=multiple, elsewhere use an MPI built with thread support")
+        raise ConfigError(
+            f"MPI provides MPI_THREAD_{level.get(provided, provided)}, not MPI_THREAD_MULTIPLE, which "
+            f"the hang watchdog and eager-SGD need: on Cray MPICH export "
+            f"MPICH_MAX_THREAD_SAFETY=multiple, elsewhere use an MPI built with thread support"
+        )
 
 
 def check_launch() -> None:
@@ -109,8 +113,12 @@ def warn_on_local_rank_disagreement(local_rank: int, environ=os.environ) -> None
     launcher = launcher_variables(environ)
     for name in launcher[1] if launcher else ():
         if name in environ and environ[name] != str(local_rank):
-            print(f"crossbow_mpi: warning: {name}={environ[name]}, but MPI places this rank at index {local_rank} "
-                  f"among its node's ranks; its GPU and CPU share follow MPI", file=sys.stderr, flush=True)
+            print(
+                f"crossbow_mpi: warning: {name}={environ[name]}, but MPI places this rank at index {local_rank} "
+                f"among its node's ranks; its GPU and CPU share follow MPI",
+                file=sys.stderr,
+                flush=True,
+            )
             return
 
 
@@ -130,10 +138,13 @@ def set_threads(requested: int, cpu_share: int, announce: bool) -> int:
     (when announcing) that more threads than those CPUs share them."""
     cpus = len(os.sched_getaffinity(0))
     if requested > cpus and announce:
-        print(f"crossbow_mpi: warning: --threads {requested}, but this rank is bound to {cpus} CPU(s), "
-              f"so its threads share them; launch with "
-              f"`mpirun --bind-to none`, or `--map-by slot:PE={requested}` to bind {requested} cores to each rank",
-              file=sys.stderr, flush=True)
+        print(
+            f"crossbow_mpi: warning: --threads {requested}, but this rank is bound to {cpus} CPU(s), "
+            f"so its threads share them; launch with "
+            f"`mpirun --bind-to none`, or `--map-by slot:PE={requested}` to bind {requested} cores to each rank",
+            file=sys.stderr,
+            flush=True,
+        )
     threads = requested or cpu_share
     torch.set_num_threads(threads)
     return threads

@@ -8,7 +8,7 @@ from crossbow_mpi.config import Config
 def learning_rate(base_lr: float, config: Config, epoch_progress: float) -> tuple[float, int]:
     """Return the learning rate at a (fractional) epoch and the number of drops passed so far."""
     drops = sum(epoch_progress >= step for step in config.lr_steps)
-    lr = base_lr * config.lr_gamma ** drops
+    lr = base_lr * config.lr_gamma**drops
     if epoch_progress < config.warmup_epochs:
         lr *= 0.1 + 0.9 * epoch_progress / config.warmup_epochs
     return lr, drops

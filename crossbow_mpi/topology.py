@@ -30,9 +30,14 @@ class Topology:
     """How many ranks run on this node."""
 
     @classmethod
-    def data_parallel(cls, world: MpiCommunicator, data: Communicator, local_rank: int,
-                      local_size: int) -> "Topology":
+    def data_parallel(cls, world: MpiCommunicator, data: Communicator, local_rank: int, local_size: int) -> "Topology":
         """Return the topology where every rank holds a whole model and `data` (world's ranks) averages them."""
         assert data.size == world.size
-        return cls(world=world, data=data, group=data, stage=world.split(world.rank), local_rank=local_rank,
-                   local_size=local_size)
+        return cls(
+            world=world,
+            data=data,
+            group=data,
+            stage=world.split(world.rank),
+            local_rank=local_rank,
+            local_size=local_size,
+        )

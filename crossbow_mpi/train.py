@@ -24,17 +24,23 @@ def field_docs(cls) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) \
-                and isinstance(following.value, ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+        ):
             docs[node.target.id] = following.value.value
     return docs
 
 
 def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m crossbow_mpi.train",
-                            description="Train a model over MPI ranks with several learners per device "
-                                        "(SMA, synchronous SGD or eager-SGD).",
-                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser = ArgumentParser(
+        prog="python -m crossbow_mpi.train",
+        description="Train a model over MPI ranks with several learners per device "
+        "(SMA, synchronous SGD or eager-SGD).",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
     parser.add_argument("--config", metavar="RUN.toml", help="TOML file with config keys; flags override it.")
     docs = field_docs(Config)
     for f in dataclasses.fields(Config):
@@ -89,16 +95,26 @@ def run(config: Config, rank: int) -> int:
     result = trainer.fit(model_fn, train_set, test_set)
     if result.preempted:
         if rank == 0:
-            print(f"stopped by a signal after {result.iterations} iterations; checkpoint written to "
-                  f"{config.run_dir}; continue with --resume", flush=True)
+            print(
+                f"stopped by a signal after {result.iterations} iterations; checkpoint written to "
+                f"{config.run_dir}; continue with --resume",
+                flush=True,
+            )
         return EXIT_PREEMPTED
     if rank == 0:
-        outcome = (f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s" if result.reached
-                   else f"did not reach {config.target_accuracy:.2%}" if config.target_accuracy > 0
-                   else "trained to the epoch limit")
-        print(f"{outcome}; test accuracy {result.test_accuracy:.4f} after {result.epochs:.2f} epochs, "
-              f"{result.iterations} iterations, {result.learners} learners/rank; "
-              f"records in {os.path.join(config.run_dir, 'metrics.jsonl')}", flush=True)
+        outcome = (
+            f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s"
+            if result.reached
+            else f"did not reach {config.target_accuracy:.2%}"
+            if config.target_accuracy > 0
+            else "trained to the epoch limit"
+        )
+        print(
+            f"{outcome}; test accuracy {result.test_accuracy:.4f} after {result.epochs:.2f} epochs, "
+            f"{result.iterations} iterations, {result.learners} learners/rank; "
+            f"records in {os.path.join(config.run_dir, 'metrics.jsonl')}",
+            flush=True,
+        )
     return 0
 
 

@@ -30,6 +30,7 @@ from crossbow_mpi.topology import Topology
 
 __all__ = ["DivergenceError", "FitResult", "Trainer", "agree"]
 
+
 @dataclass
 class FitResult:
     """What a finished run reached."""
@@ -103,8 +104,14 @@ class Trainer:
         """The control scope: every rank of the job."""
         return self.topology.world
 
-    def start(self, model_fn: Callable[[], nn.Module], train_set, loss_fn=F.cross_entropy, test_set=None,
-              output_fn: OutputFn | None = None) -> Run:
+    def start(
+        self,
+        model_fn: Callable[[], nn.Module],
+        train_set,
+        loss_fn=F.cross_entropy,
+        test_set=None,
+        output_fn: OutputFn | None = None,
+    ) -> Run:
         """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
         a few samples of each dataset against the model first."""
         cfg, world = self.config, self.topology.world
@@ -117,9 +124,15 @@ class Trainer:
                 agree(world, lambda: check_samples(run.central.module, run.layout.dtype, dataset, role, output_fn))
         return run
 
-    def fit(self, model_fn: Callable[[], nn.Module], train_set, test_set,
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-            output_fn: OutputFn | None = None, controllers: Sequence[Controller] = ()) -> FitResult:
+    def fit(
+        self,
+        model_fn: Callable[[], nn.Module],
+        train_set,
+        test_set,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        output_fn: OutputFn | None = None,
+        controllers: Sequence[Controller] = (),
+    ) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
         `output_fn` picks the class scores from the model's output for evaluation (default: the output itself).
@@ -174,21 +187,43 @@ class Trainer:
         if state.last_eval != state.iteration or record is None:
             record = c.evaluation(run, lr, clock.elapsed(state))
         c.checkpoints.save(run, clock.elapsed(state))
-        reached = state.time_to_accuracy_s is not None
-        c.metrics.write({"event": "summary", "reached": reached, "time_to_accuracy_s": state.time_to_accuracy_s,
-                         "target_accuracy": cfg.target_accuracy, "final_test_accuracy": record["test_accuracy"],
-                         "time_s": clock.elapsed(state), "iterations": state.iteration, "epochs": run.epoch_progress,
-                         "samples": state.samples, "learners": run.learners.k, "world_size": self.topology.world.size,
-                         "algorithm": cfg.algorithm, "threads_per_rank": self.threads, "device": str(self.device)})
-        return _result(run, reached=reached, accuracy=record["test_accuracy"])
+        c.metrics.write(self._summary(run, record, clock.elapsed(state)))
+        return _result(run, reached=state.time_to_accuracy_s is not None, accuracy=record["test_accuracy"])
+
+    def _summary(self, run: Run, record: dict, elapsed_s: float) -> dict:
+        """Return the run's last metrics record."""
+        state = run.state
+        return {
+            "event": "summary",
+            "reached": state.time_to_accuracy_s is not None,
+            "time_to_accuracy_s": state.time_to_accuracy_s,
+            "target_accuracy": self.config.target_accuracy,
+            "final_test_accuracy": record["test_accuracy"],
+            "time_s": elapsed_s,
+            "iterations": state.iteration,
+            "epochs": run.epoch_progress,
+            "samples": state.samples,
+            "learners": run.learners.k,
+            "world_size": self.topology.world.size,
+            "algorithm": self.config.algorithm,
+            "threads_per_rank": self.threads,
+            "device": str(self.device),
+        }
 
 
 def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -> FitResult:
-    return FitResult(reached=reached, time_to_accuracy_s=run.state.time_to_accuracy_s, test_accuracy=accuracy,
-                     iterations=run.state.iteration, epochs=run.epoch_progress,
-                     central=run.central.z.detach().cpu().clone(), learners=run.learners.k, preempted=preempted,
-                     _model_fn=run.learners.model_fn,
-                     _extra=run.central.layout.extra_state_bytes(run.central.module))
+    return FitResult(
+        reached=reached,
+        time_to_accuracy_s=run.state.time_to_accuracy_s,
+        test_accuracy=accuracy,
+        iterations=run.state.iteration,
+        epochs=run.epoch_progress,
+        central=run.central.z.detach().cpu().clone(),
+        learners=run.learners.k,
+        preempted=preempted,
+        _model_fn=run.learners.model_fn,
+        _extra=run.central.layout.extra_state_bytes(run.central.module),
+    )
 
 
 def _check_test_set(test_set) -> None:
@@ -199,8 +234,10 @@ def _check_test_set(test_set) -> None:
 def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> None:
     step = learners * world_size * cfg.batch_size
     if step > len(train_set):
-        raise ConfigError(f"one global step needs {step} samples (learners × ranks × batch size) "
-                          f"but the training set has {len(train_set)}")
+        raise ConfigError(
+            f"one global step needs {step} samples (learners × ranks × batch size) "
+            f"but the training set has {len(train_set)}"
+        )
 
 
 def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
@@ -210,8 +247,10 @@ def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.resume and checkpoint.list_checkpoints(cfg.run_dir):
-            raise ConfigError(f"--run-dir {cfg.run_dir} holds checkpoints of an earlier run: "
-                              "pass --resume to continue it, or choose another --run-dir")
+            raise ConfigError(
+                f"--run-dir {cfg.run_dir} holds checkpoints of an earlier run: "
+                "pass --resume to continue it, or choose another --run-dir"
+            )
         if not cfg.resume:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         (run_dir / "config.json").write_text(cfg.to_json() + "\n")

@@ -42,8 +42,9 @@ class Memory:
         return self.used + self.per_learner <= self.cap
 
 
-def decide(policy: Policy, learners: int, throughput: float | None, baseline: float | None,
-           memory: Memory) -> tuple[str, int]:
+def decide(
+    policy: Policy, learners: int, throughput: float | None, baseline: float | None, memory: Memory
+) -> tuple[str, int]:
     """Return (decision, learners): `wait` (no usable sample), `add`, `remove` (and stop) or `stop`.
 
     `baseline` is the throughput measured with one learner fewer (None at the first measurement).
@@ -60,9 +61,17 @@ def decide(policy: Policy, learners: int, throughput: float | None, baseline: fl
 class AutoTuner:
     """Measure throughput over windows of steps and change the number of learners per rank."""
 
-    def __init__(self, policy: Policy, interval: int, comm: Communicator, device: torch.device,
-                 max_memory_gib: float, local_size: int, static_bytes_per_learner: float,
-                 warmup: int = WARMUP_STEPS):
+    def __init__(
+        self,
+        policy: Policy,
+        interval: int,
+        comm: Communicator,
+        device: torch.device,
+        max_memory_gib: float,
+        local_size: int,
+        static_bytes_per_learner: float,
+        warmup: int = WARMUP_STEPS,
+    ):
         self.policy = policy
         self.interval = interval
         self.comm = comm
@@ -109,8 +118,13 @@ class AutoTuner:
             throughput = sum(rates) if all(r > 0 for r in rates) else None
             tightest = min((Memory(**m) for _, m in readings), key=lambda m: m.cap - m.used - m.per_learner)
             decision, new_learners = decide(self.policy, learners, throughput, self.baseline, tightest)
-            record = {"event": "autotune", "learners": new_learners, "measured_learners": learners,
-                      "samples_per_s": throughput, "decision": decision}
+            record = {
+                "event": "autotune",
+                "learners": new_learners,
+                "measured_learners": learners,
+                "samples_per_s": throughput,
+                "decision": decision,
+            }
         record = self.comm.bcast_json(record)
         self._apply(record, memory)
         return record
@@ -137,8 +151,12 @@ class AutoTuner:
         return Memory(used=used, cap=cap, per_learner=max(self.static_bytes, self.observed_bytes))
 
     def state_dict(self) -> dict:
-        return {"active": self.active, "baseline": self.baseline, "observed_bytes": self.observed_bytes,
-                "memory_before_add": self.memory_before_add}
+        return {
+            "active": self.active,
+            "baseline": self.baseline,
+            "observed_bytes": self.observed_bytes,
+            "memory_before_add": self.memory_before_add,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.active, self.baseline = state["active"], state["baseline"]

@@ -78,15 +78,19 @@ class Watchdog:
         """Return the peers to blame when this rank has made no progress for `timeout` seconds."""
         if now - self.progressed_at <= self.timeout:
             return []
-        return sorted(peer for peer, (last_heard, iteration, since) in self.heard.items()
-                      if now - last_heard > self.timeout
-                      or (iteration < self.iteration and now - since > self.timeout))
+        return sorted(
+            peer
+            for peer, (last_heard, iteration, since) in self.heard.items()
+            if now - last_heard > self.timeout or (iteration < self.iteration and now - since > self.timeout)
+        )
 
     def _abort(self, missing: list[int]) -> None:
         names = ", ".join(map(str, missing))
-        sys.stderr.write(f"crossbow_mpi: error: collective timeout: rank(s) {names} did not arrive within "
-                         f"{self.timeout:g} s (rank {self.rank} waiting after iteration {self.iteration}); "
-                         "aborting the job\n")
+        sys.stderr.write(
+            f"crossbow_mpi: error: collective timeout: rank(s) {names} did not arrive within "
+            f"{self.timeout:g} s (rank {self.rank} waiting after iteration {self.iteration}); "
+            "aborting the job\n"
+        )
         sys.stderr.flush()
         self._mpi().COMM_WORLD.Abort(4)
 

@@ -75,8 +75,9 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, cwd: Path = REPO)
 
 def run_tool(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGS` (a single-process tool) in the repository; fail the test on a hang."""
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 def assert_user_error(done: subprocess.CompletedProcess, module: str, message: str) -> None:

@@ -3,10 +3,12 @@
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, as `python -m pytest` has it
 rank = MPI.COMM_WORLD.Get_rank()
 args = sys.argv[1:] + ["-p", "no:cacheprovider"]
 if rank == 0:

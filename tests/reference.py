@@ -50,14 +50,14 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
         if lr_drops != drops:
             drops = lr_drops
             states = {key: z.clone() for key in states}
-        lr = cfg.lr * cfg.lr_gamma ** drops
+        lr = cfg.lr * cfg.lr_gamma**drops
         corrections = []
-        for (r, j) in sorted(states):
+        for r, j in sorted(states):
             module.train()
             load_state(module, states[(r, j)], n)
             module.zero_grad()
             first = offset + (r * k + j) * cfg.batch_size
-            inputs, targets = train.get_batch(order[first:first + cfg.batch_size])
+            inputs, targets = train.get_batch(order[first : first + cfg.batch_size])
             F.cross_entropy(module(inputs.to(z.dtype)), targets).backward()
             after_forward = state_of(module).detach()
             w = after_forward[:n]
@@ -79,11 +79,15 @@ def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int) -> n
     order (the first epoch's permutation); frozen parameters stay as model_fn() made them."""
     torch.manual_seed(cfg.seed)
     model = model_fn()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+    )
     order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
     for step in range(steps):
-        inputs, targets = train.get_batch(order[step * aggregate:(step + 1) * aggregate])
+        inputs, targets = train.get_batch(order[step * aggregate : (step + 1) * aggregate])
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()

@@ -31,8 +31,17 @@ def datasets(world_size: int, learners: int):
 
 
 def run_config(tmp, **overrides) -> Config:
-    values = dict(run_dir=str(tmp / "run"), batch_size=BATCH, epochs=1, eval_every=0, target_accuracy=0,
-                  seed=7, lr=0.05, momentum=0.9, weight_decay=0.001)
+    values = dict(
+        run_dir=str(tmp / "run"),
+        batch_size=BATCH,
+        epochs=1,
+        eval_every=0,
+        target_accuracy=0,
+        seed=7,
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=0.001,
+    )
     values.update(overrides)
     return Config(**values)
 

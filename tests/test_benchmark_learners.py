@@ -8,8 +8,13 @@ from conftest import REPO
 
 
 def test_learners_benchmark_quick_mode_writes_results(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.learners", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.learners", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "learners.json").read_text())
     assert result["quick"] is True and result["rows"]

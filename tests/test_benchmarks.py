@@ -16,26 +16,58 @@ COLUMNS = {
     "overhead": {"b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
     "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
 }
-RECORD_KEYS = {"benchmark", "question", "quick", "reps", "date", "wall_s", "command", "machine", "load_average",
-               "settings", "columns", "rows", "runs", "files", "code"}
+RECORD_KEYS = {
+    "benchmark",
+    "question",
+    "quick",
+    "reps",
+    "date",
+    "wall_s",
+    "command",
+    "machine",
+    "load_average",
+    "settings",
+    "columns",
+    "rows",
+    "runs",
+    "files",
+    "code",
+}
 
 
 @pytest.mark.parametrize("name", COLUMNS)
 def test_quick_mode_writes_results(name, tmp_path):
-    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert RECORD_KEYS <= result.keys()
     assert result["benchmark"] == name and result["quick"] is True and result["runs"]
     assert result["rows"] and all(COLUMNS[name] <= row.keys() for row in result["rows"])
     assert COLUMNS[name] <= set(result["columns"])
-    table = done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2:]
+    table = done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2 :]
     assert table[0].split() == result["columns"], "the table is not the last thing printed"
     if name == "stat_efficiency":
         assert (tmp_path / "stat_efficiency.png").stat().st_size > 0
-    subprocess.run([sys.executable, "-m", "benchmarks.report", "--results", str(tmp_path),
-                    "--output", str(tmp_path / "RESULTS.md")], cwd=REPO, timeout=60, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.report",
+            "--results",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "RESULTS.md"),
+        ],
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    )
     rendered = (tmp_path / "RESULTS.md").read_text()
     assert f"## {name}" in rendered and "| " + " | ".join(result["columns"]) + " |" in rendered
 
@@ -52,9 +84,16 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
         if code:
             raise harness.BenchmarkError(f"exited {code}: terminate called", code)
         run_dir = args[args.index("--run-dir") + 1]
-        records = [{"test_accuracy": 0.99, "samples_per_s": 100.0},
-                   {"event": "summary", "reached": True, "time_to_accuracy_s": 5.0, "epochs": 1.0,
-                    "final_test_accuracy": 0.99}]
+        records = [
+            {"test_accuracy": 0.99, "samples_per_s": 100.0},
+            {
+                "event": "summary",
+                "reached": True,
+                "time_to_accuracy_s": 5.0,
+                "epochs": 1.0,
+                "final_test_accuracy": 0.99,
+            },
+        ]
         with open(f"{run_dir}/metrics.jsonl", "w") as fh:
             fh.writelines(json.dumps(record) + "\n" for record in records)
         return ""

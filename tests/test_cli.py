@@ -14,10 +14,12 @@ from crossbow_mpi.train import build_parser, parse_config
 
 from conftest import MNIST_DIR, run_job
 
-CONTRACT_FLAGS = ("--algorithm --model --dataset --data-dir --learners --batch-size --lr --momentum "
-                  "--weight-decay --alpha --central-momentum --lr-steps --lr-gamma --warmup-epochs --epochs "
-                  "--target-accuracy --eval-every --device --threads --seed --run-dir --checkpoint-every "
-                  "--resume --config").split()
+CONTRACT_FLAGS = (
+    "--algorithm --model --dataset --data-dir --learners --batch-size --lr --momentum "
+    "--weight-decay --alpha --central-momentum --lr-steps --lr-gamma --warmup-epochs --epochs "
+    "--target-accuracy --eval-every --device --threads --seed --run-dir --checkpoint-every "
+    "--resume --config"
+).split()
 
 
 def test_help_documents_every_flag():
@@ -37,14 +39,17 @@ def test_flags_override_toml_which_overrides_defaults(tmp_path):
     assert cfg.momentum == Config().momentum
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--learners", "0"], "--learners must be a positive"),
-    (["--learners", "two"], "--learners: invalid value"),
-    (["--batch-size", "-4"], "--batch-size must be positive"),
-    (["--lr-steps", "5,2"], "--lr-steps must be increasing"),
-    (["--alpha", "1.5"], "--alpha must be in"),
-    (["--nonsense", "1"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--learners", "0"], "--learners must be a positive"),
+        (["--learners", "two"], "--learners: invalid value"),
+        (["--batch-size", "-4"], "--batch-size must be positive"),
+        (["--lr-steps", "5,2"], "--lr-steps must be increasing"),
+        (["--alpha", "1.5"], "--alpha must be in"),
+        (["--nonsense", "1"], "unrecognized arguments"),
+    ],
+)
 def test_invalid_values_raise_config_error(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(argv).validate(["ssgd", "sma"])
@@ -123,8 +128,17 @@ def test_default_run_reaches_99_percent_on_two_ranks(tmp_path):
     assert summary["event"] == "summary" and summary["reached"] is True
     assert summary["final_test_accuracy"] >= 0.99 and summary["world_size"] == 2
     evaluations = records[:-1]
-    for key in ("time_s", "epoch", "iteration", "samples", "test_accuracy", "test_loss", "train_loss",
-                "samples_per_s", "learners"):
+    for key in (
+        "time_s",
+        "epoch",
+        "iteration",
+        "samples",
+        "test_accuracy",
+        "test_loss",
+        "train_loss",
+        "samples_per_s",
+        "learners",
+    ):
         assert all(key in r for r in evaluations), key
     assert json.loads((run_dir / "config.json").read_text())["algorithm"] == "sma"
     checkpoints = sorted(run_dir.glob("checkpoint-*.h5"))

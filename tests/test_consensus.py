@@ -21,15 +21,18 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(comm):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("overrides, message", [
-    ({"learners": 0}, "--learners must be a positive"),
-    ({"batch_size": -2}, "--batch-size must be positive"),
-    ({"algorithm": "adam"}, "--algorithm: unknown value"),
-    ({"model": "vgg"}, "--model: unknown value"),
-    ({"engine": "streams", "device": "cpu"}, "--engine streams needs CUDA"),
-    ({"comm": "nccl", "device": "cpu"}, "--comm nccl needs CUDA"),
-    ({"precision": "fp8"}, "--precision: unknown value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"learners": 0}, "--learners must be a positive"),
+        ({"batch_size": -2}, "--batch-size must be positive"),
+        ({"algorithm": "adam"}, "--algorithm: unknown value"),
+        ({"model": "vgg"}, "--model: unknown value"),
+        ({"engine": "streams", "device": "cpu"}, "--engine streams needs CUDA"),
+        ({"comm": "nccl", "device": "cpu"}, "--comm nccl needs CUDA"),
+        ({"precision": "fp8"}, "--precision: unknown value"),
+    ],
+)
 def test_invalid_config_raises_on_every_rank(comm, overrides, message):
     with pytest.raises(ConfigError, match=message):
         Trainer(Config(**overrides))

@@ -105,8 +105,16 @@ def test_a_round_with_every_fresh_gradient_is_an_ssgd_step_bit_for_bit(comm, sha
 def test_under_imbalance_all_ranks_keep_one_model_and_every_gradient_is_applied_once(comm, shared_tmp, mode):
     learners, sync_every = 2, 4
     train, test = datasets(comm.size, learners)
-    cfg = run_config(shared_tmp, algorithm="eager", eager_mode=mode, eager_sync_every=sync_every, learners=learners,
-                     inject_imbalance="random:30:1", checkpoint_every=6, eval_every=7 * learners * comm.size * BATCH)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="eager",
+        eager_mode=mode,
+        eager_sync_every=sync_every,
+        learners=learners,
+        inject_imbalance="random:30:1",
+        checkpoint_every=6,
+        eval_every=7 * learners * comm.size * BATCH,
+    )
     result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert result.iterations == STEPS
     assert same_on_every_rank(comm, result.central.numpy())
@@ -116,7 +124,7 @@ def test_under_imbalance_all_ranks_keep_one_model_and_every_gradient_is_applied_
     staleness = np.zeros(sync_every, dtype=np.int64)
     for record in records:
         assert len(record["eager_staleness"]) <= sync_every
-        staleness[:len(record["eager_staleness"])] += record["eager_staleness"]
+        staleness[: len(record["eager_staleness"])] += record["eager_staleness"]
         assert 1 <= record["eager_fresh_per_round"] <= comm.size
     assert staleness.sum() == comm.size * STEPS, "every rank's gradient of every step, once"
     assert sum(r["eager_rounds"] for r in records) > STEPS, "the steps' rounds and the drains' before checkpoints"
@@ -125,11 +133,14 @@ def test_under_imbalance_all_ranks_keep_one_model_and_every_gradient_is_applied_
         assert staleness[1:].sum() > 0, "the sleeping rank's gradients land in later rounds"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"eager_mode": "lazy"}, "--eager-mode: unknown value 'lazy'"),
-    ({"eager_sync_every": 0}, "--eager-sync-every must be positive"),
-    ({"learners": "auto"}, "--algorithm eager needs a fixed number of --learners"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"eager_mode": "lazy"}, "--eager-mode: unknown value 'lazy'"),
+        ({"eager_sync_every": 0}, "--eager-sync-every must be positive"),
+        ({"learners": "auto"}, "--algorithm eager needs a fixed number of --learners"),
+    ],
+)
 def test_eager_config_mistakes_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         Config(algorithm="eager", **overrides).validate(ALGORITHMS)
@@ -142,13 +153,22 @@ def test_eager_flags():
 
 
 def test_eager_benchmark_quick_mode_writes_results(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.eager", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.eager", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "eager.json").read_text())
     assert result["benchmark"] == "eager" and result["quick"] is True
-    assert {row["algorithm"] for row in result["rows"]} == {"ssgd", "eager solo", "eager majority",
-                                                            "eager solo, lr / 2"}
+    assert {row["algorithm"] for row in result["rows"]} == {
+        "ssgd",
+        "eager solo",
+        "eager majority",
+        "eager solo, lr / 2",
+    }
     lrs = {variant.split(" / ", 1)[1]: flags["lr"] for variant, flags in result["settings"]["variants"].items()}
     assert lrs["eager solo, lr / 2"] == lrs["eager solo"] / 2 == lrs["ssgd"] / 2
     assert done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2].split() == result["columns"]

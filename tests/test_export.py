@@ -22,8 +22,22 @@ from crossbow_mpi.models import build_model
 from conftest import REPO, assert_user_error, run_job, run_tool, self_comm
 from test_algorithms import mlp_bn_float64
 
-RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.2", "--eval-every", "4000",
-       "--target-accuracy", "0", "--learners", "2", "--checkpoint-every", "100"]
+RUN = [
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--epochs",
+    "0.2",
+    "--eval-every",
+    "4000",
+    "--target-accuracy",
+    "0",
+    "--learners",
+    "2",
+    "--checkpoint-every",
+    "100",
+]
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +97,15 @@ def damaged_run(trained, tmp_path, case: str):
     return [str(trained)]
 
 
-ERRORS = {"missing run dir": "no such run directory", "not a run dir": "config.json: missing",
-          "no checkpoint": "no valid checkpoint", "another model": "holds another model",
-          "not a checkpoint": "unreadable", "unwritable out": "--out", "no out": "required: --out"}
+ERRORS = {
+    "missing run dir": "no such run directory",
+    "not a run dir": "config.json: missing",
+    "no checkpoint": "no valid checkpoint",
+    "another model": "holds another model",
+    "not a checkpoint": "unreadable",
+    "unwritable out": "--out",
+    "no out": "required: --out",
+}
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
@@ -112,8 +132,9 @@ def test_every_dataset_has_a_shape():
 def test_fit_result_model_holds_z_with_its_buffers(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
-    config = Config(run_dir=str(shared_tmp / "run"), batch_size=4, epochs=1, eval_every=0, target_accuracy=0,
-                    learners=2, lr=0.05)
+    config = Config(
+        run_dir=str(shared_tmp / "run"), batch_size=4, epochs=1, eval_every=0, target_accuracy=0, learners=2, lr=0.05
+    )
     result = Trainer(config, comm).fit(mlp_bn_float64, train, test)
     model = result.model()
     layout = FlatLayout(model)

@@ -15,8 +15,20 @@ import pytest
 
 from conftest import REPO, mpirun_command, run_job
 
-RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.3", "--eval-every", "1000",
-       "--target-accuracy", "0", "--learners", "2"]
+RUN = [
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--epochs",
+    "0.3",
+    "--eval-every",
+    "1000",
+    "--target-accuracy",
+    "0",
+    "--learners",
+    "2",
+]
 
 
 def final_z(run_dir):
@@ -106,8 +118,9 @@ def test_divergence_names_iteration_and_learners_and_keeps_last_good_checkpoint(
 
 def rank_pids(run_dir) -> dict[int, int]:
     """Map each rank of the job writing to run_dir to its process id."""
-    pids = subprocess.run(["pgrep", "-f", f"crossbow_mpi.train --run-dir {run_dir}"],
-                          capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(
+        ["pgrep", "-f", f"crossbow_mpi.train --run-dir {run_dir}"], capture_output=True, text=True
+    ).stdout.split()
     ranks = {}
     for pid in map(int, pids):
         try:
@@ -146,12 +159,14 @@ def test_a_stopped_rank_is_named_and_the_job_aborts(tmp_path):
 
 
 def test_sigterm_requests_the_same_checkpoint_and_stop_as_sigusr1():
-    probe = ("import os, signal, time\n"
-             "from crossbow_mpi import runtime\n"
-             "runtime.install_stop_signals()\n"
-             "before = runtime.stop_requested()\n"
-             "os.kill(os.getpid(), signal.SIGTERM)\n"
-             "time.sleep(0.2)\n"
-             "print(before, runtime.stop_requested())\n")
+    probe = (
+        "import os, signal, time\n"
+        "from crossbow_mpi import runtime\n"
+        "runtime.install_stop_signals()\n"
+        "before = runtime.stop_requested()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.2)\n"
+        "print(before, runtime.stop_requested())\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["False", "True"], done.stderr

@@ -58,11 +58,16 @@ def test_random_cifar_files(tmp_path_factory, data):
 
 
 @FUZZ
-@given(text=st.one_of(st.binary(max_size=200),
-                      st.dictionaries(st.sampled_from([f.replace("_", "-") for f in Config.__dataclass_fields__]),
-                                      st.one_of(st.integers(), st.floats(), st.text(max_size=5), st.booleans()),
-                                      max_size=4).map(lambda d: "\n".join(f"{k} = {v!r}".lower() for k, v in d.items())
-                                                      .encode())))
+@given(
+    text=st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(
+            st.sampled_from([f.replace("_", "-") for f in Config.__dataclass_fields__]),
+            st.one_of(st.integers(), st.floats(), st.text(max_size=5), st.booleans()),
+            max_size=4,
+        ).map(lambda d: "\n".join(f"{k} = {v!r}".lower() for k, v in d.items()).encode()),
+    )
+)
 def test_random_config_files(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("toml") / "run.toml"
     path.write_bytes(text)

@@ -36,8 +36,9 @@ def fake_cupy(version: str, failing_ranks: tuple[int, ...] = ()) -> types.Module
         def __init__(self, ndev: int, comm_id, rank: int):
             expected = bytes if bytes_id else tuple
             if not isinstance(comm_id, expected):
-                raise TypeError(f"Argument 'commId' has incorrect type (expected {expected.__name__}, "
-                                f"got {type(comm_id).__name__})")
+                raise TypeError(
+                    f"Argument 'commId' has incorrect type (expected {expected.__name__}, got {type(comm_id).__name__})"
+                )
             if not bytes_id and not all(-128 <= value < 128 for value in comm_id):
                 raise OverflowError("value too large to convert to char")
             if rank in failing_ranks:
@@ -96,15 +97,22 @@ def test_nccl_failing_to_start_on_one_rank_stops_nccl_in_one_line_and_auto_falls
     nccl = gpus(failing_ranks=(last,))
     with pytest.raises(ConfigError) as raised:
         build_communicator(comm.mpi_comm, "nccl", GPU)
-    assert str(raised.value) == (f"--comm nccl: starting NCCL failed on rank {last}: NcclError: "
-                                 "NCCL_ERROR_SYSTEM_ERROR: unhandled system error")
+    assert str(raised.value) == (
+        f"--comm nccl: starting NCCL failed on rank {last}: NcclError: NCCL_ERROR_SYSTEM_ERROR: unhandled system error"
+    )
     assert [started.aborted for started in nccl.started] == ([] if comm.rank == last else [True])
     capsys.readouterr()
     assert type(build_communicator(comm.mpi_comm, "auto", GPU)) is MpiCommunicator
     notes = capsys.readouterr().err.splitlines()
-    assert notes == ([f"crossbow_mpi: note: --comm auto: using MPI for the allreduce, since NCCL cannot start: "
-                      f"starting NCCL failed on rank {last}: NcclError: NCCL_ERROR_SYSTEM_ERROR: unhandled system "
-                      "error"] if comm.rank == 0 else [])
+    assert notes == (
+        [
+            f"crossbow_mpi: note: --comm auto: using MPI for the allreduce, since NCCL cannot start: "
+            f"starting NCCL failed on rank {last}: NcclError: NCCL_ERROR_SYSTEM_ERROR: unhandled system "
+            "error"
+        ]
+        if comm.rank == 0
+        else []
+    )
 
 
 @pytest.mark.mpi(min_size=1)

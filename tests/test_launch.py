@@ -18,16 +18,33 @@ from crossbow_mpi.config import ConfigError
 
 from conftest import REPO, mpirun_command
 
-SHORT_RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.02", "--eval-every", "0",
-             "--target-accuracy", "0", "--learners", "1"]
+SHORT_RUN = [
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--epochs",
+    "0.02",
+    "--eval-every",
+    "0",
+    "--target-accuracy",
+    "0",
+    "--learners",
+    "1",
+]
 LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "PRTE_", "MPI_LOCALRANKID")
 
 
 def clean_env(**extra) -> dict[str, str]:
     """This process's environment without any launcher's variables, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **extra)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
     return env
 
 
@@ -41,32 +58,45 @@ def summary(run_dir: Path) -> dict:
 
 # --- the MPI world against what the launcher started ---------------------------------------------------------
 
+
 def test_processes_that_did_not_join_one_job_stop_with_one_line(tmp_path):
     # What plain `srun` does with Open MPI 5: every task starts as a one-rank job of its own.
-    job = subprocess.run([sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(tmp_path / "run"), *SHORT_RUN],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, env=clean_env(SLURM_STEP_NUM_TASKS="4"))
+    job = subprocess.run(
+        [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(tmp_path / "run"), *SHORT_RUN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=clean_env(SLURM_STEP_NUM_TASKS="4"),
+    )
     assert job.returncode == 2, job.stderr
     assert our_lines(job.stderr) == [our_lines(job.stderr)[0]] and "Traceback" not in job.stderr
     assert "SLURM_STEP_NUM_TASKS=4" in job.stderr and "srun --mpi=pmix" in job.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("environ, size", [
-    ({}, 3),
-    ({"SLURM_STEP_NUM_TASKS": "3"}, 3),
-    # mpirun inside a Slurm step or allocation: its own variable counts, not the outer launcher's
-    ({"OMPI_COMM_WORLD_SIZE": "16", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "32"}, 16),
-    ({"PMI_SIZE": "8", "SLURM_STEP_NUM_TASKS": "1"}, 8),
-])
+@pytest.mark.parametrize(
+    "environ, size",
+    [
+        ({}, 3),
+        ({"SLURM_STEP_NUM_TASKS": "3"}, 3),
+        # mpirun inside a Slurm step or allocation: its own variable counts, not the outer launcher's
+        ({"OMPI_COMM_WORLD_SIZE": "16", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "32"}, 16),
+        ({"PMI_SIZE": "8", "SLURM_STEP_NUM_TASKS": "1"}, 8),
+    ],
+)
 def test_a_world_the_launcher_started_passes(environ, size):
     runtime.check_world_size(size, environ)
 
 
-@pytest.mark.parametrize("environ, named", [
-    ({"SLURM_STEP_NUM_TASKS": "16"}, "SLURM_STEP_NUM_TASKS=16"),
-    ({"PMI_SIZE": "2", "SLURM_STEP_NUM_TASKS": "1"}, "PMI_SIZE=2"),
-    ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4"),
-])
+@pytest.mark.parametrize(
+    "environ, named",
+    [
+        ({"SLURM_STEP_NUM_TASKS": "16"}, "SLURM_STEP_NUM_TASKS=16"),
+        ({"PMI_SIZE": "2", "SLURM_STEP_NUM_TASKS": "1"}, "PMI_SIZE=2"),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4"),
+    ],
+)
 def test_a_world_other_than_the_launcher_started_is_refused(environ, named):
     with pytest.raises(ConfigError, match=named):
         runtime.check_world_size(1, environ)
@@ -81,6 +111,7 @@ def test_an_mpi_without_thread_multiple_is_refused_naming_the_cray_setting():
 
 # --- local rank from MPI ------------------------------------------------------------------------------------
 
+
 @pytest.mark.mpi(min_size=2)
 def test_local_rank_comes_from_mpi_not_an_inherited_slurm_localid(comm, monkeypatch, capsys):
     # mpirun of a Hydra MPI inside sbatch: every rank inherits the batch shell's SLURM_LOCALID=0.
@@ -94,8 +125,9 @@ def test_local_rank_comes_from_mpi_not_an_inherited_slurm_localid(comm, monkeypa
     assert capsys.readouterr().err == ""
 
     # srun whose SLURM_LOCALID disagrees with MPI: MPI wins, and the rank says which variable disagreed.
-    local_rank, _, _ = runtime.node_placement(comm.mpi_comm, {"SLURM_STEP_NUM_TASKS": str(comm.size),
-                                                              "SLURM_LOCALID": "0"})
+    local_rank, _, _ = runtime.node_placement(
+        comm.mpi_comm, {"SLURM_STEP_NUM_TASKS": str(comm.size), "SLURM_LOCALID": "0"}
+    )
     assert local_rank == comm.rank
     warning = capsys.readouterr().err
     if comm.rank == 0:
@@ -105,6 +137,7 @@ def test_local_rank_comes_from_mpi_not_an_inherited_slurm_localid(comm, monkeypa
 
 
 # --- threads follow the affinity ----------------------------------------------------------------------------
+
 
 @pytest.mark.mpi(min_size=1)
 def test_cpu_shares_of_a_node_do_not_oversubscribe_its_cpus(comm):
@@ -119,8 +152,20 @@ def test_cpu_shares_of_a_node_do_not_oversubscribe_its_cpus(comm):
 
 def restricted_run(tmp_path: Path, name: str, threads: str) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path / name
-    cmd = ["taskset", "-c", "0", *mpirun_command(1), sys.executable, "-m", "crossbow_mpi.train",
-           "--run-dir", str(run_dir), "--threads", threads, *SHORT_RUN]
+    cmd = [
+        "taskset",
+        "-c",
+        "0",
+        *mpirun_command(1),
+        sys.executable,
+        "-m",
+        "crossbow_mpi.train",
+        "--run-dir",
+        str(run_dir),
+        "--threads",
+        threads,
+        *SHORT_RUN,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=clean_env()), run_dir
 
 
@@ -157,9 +202,11 @@ def test_scripts_parse_and_pass_shellcheck(script):
 def fake_tool(bin_dir: Path, name: str, body: str) -> None:
     """Write an executable bash script `name` that logs its arguments, one JSON list per line, to $FAKE_LOG."""
     path = bin_dir / name
-    path.write_text("#!/usr/bin/env bash\n"
-                    f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\""
-                    " >> \"$FAKE_LOG\"\n" + body + "\n")
+    path.write_text(
+        "#!/usr/bin/env bash\n"
+        f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\""
+        ' >> "$FAKE_LOG"\n' + body + "\n"
+    )
     path.chmod(0o755)
 
 
@@ -172,8 +219,11 @@ def batch_dir(tmp_path):
     (tmp_path / "venv" / "bin" / "activate").write_text("")
     (tmp_path / "bin").mkdir()
     log = tmp_path / "calls.jsonl"
-    env = clean_env(CROSSBOW_VENV=str(tmp_path / "venv"), FAKE_LOG=str(log),
-                    PATH=os.pathsep.join([str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]]))
+    env = clean_env(
+        CROSSBOW_VENV=str(tmp_path / "venv"),
+        FAKE_LOG=str(log),
+        PATH=os.pathsep.join([str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]]),
+    )
     return tmp_path, env, log
 
 
@@ -196,8 +246,9 @@ def run_slurm(batch_dir, ending: str, *args: str, **extra_env: str) -> subproces
     fake_tool(root / "bin", "srun", SRUN_ENDINGS[ending])
     fake_tool(root / "bin", "scontrol", "")
     env = dict(env, SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="8", RUN_DIR=str(run_dir), **extra_env)
-    return subprocess.run(["bash", "launch/slurm.sbatch", *args], capture_output=True, text=True, timeout=60,
-                          cwd=root, env=env)
+    return subprocess.run(
+        ["bash", "launch/slurm.sbatch", *args], capture_output=True, text=True, timeout=60, cwd=root, env=env
+    )
 
 
 def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record(batch_dir):
@@ -206,9 +257,20 @@ def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record
     assert job.returncode == 137
     (srun, requeue) = calls(log)
     assert srun[:5] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--cpus-per-task=8", "--cpu-bind=cores"]
-    train = srun[srun.index("python"):]
-    assert train == ["python", "-m", "crossbow_mpi.train", "--device", "cuda", "--threads", "8",
-                     "--run-dir", "runs/slurm-42", "--learners", "4"]
+    train = srun[srun.index("python") :]
+    assert train == [
+        "python",
+        "-m",
+        "crossbow_mpi.train",
+        "--device",
+        "cuda",
+        "--threads",
+        "8",
+        "--run-dir",
+        "runs/slurm-42",
+        "--learners",
+        "4",
+    ]
     assert requeue == ["scontrol", "requeue", "42"]
 
 
@@ -247,17 +309,44 @@ def test_pbs_signals_mpirun_before_the_walltime_and_submits_again(batch_dir):
     fake_tool(root / "bin", "mpirun", PBS_MPIRUN)
     run_dir = root / "runs" / "pbs-7"
     run_dir.mkdir(parents=True)
-    env = dict(env, PBS_JOBID="7.server", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(root),
-               TRAIN_ARGS="--learners 4 --lr 0.05", RUN_DIR=str(run_dir))
+    env = dict(
+        env,
+        PBS_JOBID="7.server",
+        PBS_NODEFILE=str(nodefile),
+        PBS_O_WORKDIR=str(root),
+        TRAIN_ARGS="--learners 4 --lr 0.05",
+        RUN_DIR=str(run_dir),
+    )
     started = time.monotonic()
     job = subprocess.run(["bash", "launch/pbs.sh"], capture_output=True, text=True, timeout=60, cwd=root, env=env)
     assert job.returncode == 75, job.stderr
     assert 3 <= time.monotonic() - started < 20  # SIGUSR1 at 123 s - 120 s of margin
     (qstat, mpirun, qsub) = calls(log)
     assert qstat == ["qstat", "-f", "7.server"]
-    assert mpirun == ["mpirun", "-np", "16", "--hostfile", str(nodefile), "--map-by", "ppr:8:node:PE=8",
-                      "--bind-to", "core", "python", "-m", "crossbow_mpi.train", "--device", "cuda", "--threads", "8",
-                      "--run-dir", "runs/pbs-7", "--learners", "4", "--lr", "0.05"]
+    assert mpirun == [
+        "mpirun",
+        "-np",
+        "16",
+        "--hostfile",
+        str(nodefile),
+        "--map-by",
+        "ppr:8:node:PE=8",
+        "--bind-to",
+        "core",
+        "python",
+        "-m",
+        "crossbow_mpi.train",
+        "--device",
+        "cuda",
+        "--threads",
+        "8",
+        "--run-dir",
+        "runs/pbs-7",
+        "--learners",
+        "4",
+        "--lr",
+        "0.05",
+    ]
     assert qsub == ["qsub", "-V", "-v", "CROSSBOW_RUN_DIR=runs/pbs-7", "launch/pbs.sh"]
 
 
@@ -270,10 +359,18 @@ def test_pbs_with_open_mpis_mpirun_checkpoints_before_the_walltime(batch_dir):
     fake_tool(root / "bin", "qstat", 'echo "    Resource_List.walltime = 00:02:20"')
     fake_tool(root / "bin", "qsub", "")
     real = " ".join(mpirun_command(2))
-    fake_tool(root / "bin", "mpirun", f'while [ "$1" != python ]; do shift; done\n'
-                                      f'shift; exec {real} {sys.executable} "$@" --device cpu --threads 1')
-    env = dict(env, PBS_JOBID="8.server", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(root),
-               TRAIN_ARGS="--dataset synthetic-mnist --model mlp --epochs 5 --target-accuracy 0")
+    fake_tool(
+        root / "bin",
+        "mpirun",
+        f'while [ "$1" != python ]; do shift; done\nshift; exec {real} {sys.executable} "$@" --device cpu --threads 1',
+    )
+    env = dict(
+        env,
+        PBS_JOBID="8.server",
+        PBS_NODEFILE=str(nodefile),
+        PBS_O_WORKDIR=str(root),
+        TRAIN_ARGS="--dataset synthetic-mnist --model mlp --epochs 5 --target-accuracy 0",
+    )
     job = subprocess.run(["bash", "launch/pbs.sh"], capture_output=True, text=True, timeout=120, cwd=root, env=env)
     assert job.returncode == 75, job.stderr
     run_dir = root / "runs" / "pbs-8"

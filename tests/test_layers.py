@@ -37,7 +37,7 @@ def imports(path: Path, modules) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: `from .x import y` in package p is p.x
-                parents = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parents = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parents + ([base] if base else []))
             names = {f"{base}.{alias.name}" for alias in node.names}
             found |= (names & set(modules)) or {base}
@@ -60,8 +60,12 @@ def layer(module: str) -> int:
 
 
 def test_no_module_imports_a_higher_layer():
-    upward = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
-              for a, targets in graph().items() for b in targets if layer(b) > layer(a)]
+    upward = [
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+        for a, targets in graph().items()
+        for b in targets
+        if layer(b) > layer(a)
+    ]
     assert not upward, upward
 
 
@@ -73,7 +77,7 @@ def test_the_import_graph_has_no_cycle():
         state[node] = "open"
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                raise AssertionError("import cycle: " + " → ".join(path[path.index(target):] + [target]))
+                raise AssertionError("import cycle: " + " → ".join(path[path.index(target) :] + [target]))
             if target not in state:
                 visit(target, path + [target])
         state[node] = "done"

@@ -26,12 +26,22 @@ REFERENCE_SHA256 = {
 
 
 def short_run(comm, run_dir, algorithm: str) -> str:
-    cfg = Config(algorithm=algorithm, learners=2, batch_size=16, epochs=0.05, eval_every=0, target_accuracy=0,
-                 seed=5, data_dir=str(MNIST_DIR), run_dir=str(run_dir), eager_sync_every=1, threads=1,
-                 engine="sequential")
+    cfg = Config(
+        algorithm=algorithm,
+        learners=2,
+        batch_size=16,
+        epochs=0.05,
+        eval_every=0,
+        target_accuracy=0,
+        seed=5,
+        data_dir=str(MNIST_DIR),
+        run_dir=str(run_dir),
+        eager_sync_every=1,
+        threads=1,
+        engine="sequential",
+    )
     train, test = build_dataset("mnist", cfg.data_dir, cfg.seed)
-    result = Trainer(cfg, comm).fit(lambda: build_model("lenet", train.input_shape, train.num_classes),
-                                    train, test)
+    result = Trainer(cfg, comm).fit(lambda: build_model("lenet", train.input_shape, train.num_classes), train, test)
     return hashlib.sha256(result.central.numpy().tobytes()).hexdigest()
 
 

@@ -12,8 +12,18 @@ from crossbow_mpi.report import draw, read_run
 from conftest import assert_user_error, run_job, run_tool, self_comm
 from test_snapshots import HalveLrAt, config, datasets, mlp
 
-RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.2", "--eval-every", "2000",
-       "--target-accuracy", "0.45"]
+RUN = [
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--epochs",
+    "0.2",
+    "--eval-every",
+    "2000",
+    "--target-accuracy",
+    "0.45",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -22,13 +32,14 @@ def runs(tmp_path_factory):
     """Run directories of an auto-tuned SMA run and an eager-SGD run (CLI, two ranks), and of a run whose
     learning rate a controller halves (API, one rank)."""
     base = tmp_path_factory.mktemp("runs")
-    for name, extra in {"auto": ["--learners", "auto", "--autotune-interval", "10"],
-                        "eager": ["--algorithm", "eager", "--learners", "2"]}.items():
+    for name, extra in {
+        "auto": ["--learners", "auto", "--autotune-interval", "10"],
+        "eager": ["--algorithm", "eager", "--learners", "2"],
+    }.items():
         job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
         assert job.returncode == 0, job.stderr
     train, test = datasets()
-    Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test,
-                                                                          controllers=[HalveLrAt(5)])
+    Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test, controllers=[HalveLrAt(5)])
     return [base / "auto", base / "eager", base / "controlled"]
 
 
@@ -82,7 +93,7 @@ def bad_input(runs, tmp_path, case: str) -> list[str]:
         (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "preempted", "iteration": 3, "time_s": 1}) + "\n")
         return [str(tmp_path), *out]
     if case == "not json":
-        (tmp_path / "metrics.jsonl").write_text(json.dumps(records(runs[0])[0]) + "\n{\"time_s\": 1,\n")
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(records(runs[0])[0]) + '\n{"time_s": 1,\n')
         return [str(tmp_path), *out]
     if case == "unwritable out":
         return [str(runs[0]), "--out", str(tmp_path / "no-such-dir" / "report.png")]
@@ -90,9 +101,15 @@ def bad_input(runs, tmp_path, case: str) -> list[str]:
     return [str(runs[0])]
 
 
-ERRORS = {"missing dir": "no such run directory", "no metrics": "metrics.jsonl: missing",
-          "empty metrics": "no evaluation records (empty file)", "no evaluation": "no evaluation records",
-          "not json": "line 2 is not JSON", "unwritable out": "--out", "no out": "required: --out"}
+ERRORS = {
+    "missing dir": "no such run directory",
+    "no metrics": "metrics.jsonl: missing",
+    "empty metrics": "no evaluation records (empty file)",
+    "no evaluation": "no evaluation records",
+    "not json": "line 2 is not JSON",
+    "unwritable out": "--out",
+    "no out": "required: --out",
+}
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))

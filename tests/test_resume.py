@@ -20,8 +20,19 @@ def model() -> nn.Module:
 
 
 def config(run_dir, **overrides) -> Config:
-    values = dict(run_dir=str(run_dir), learners=2, batch_size=4, epochs=3, eval_every=200, target_accuracy=0,
-                  checkpoint_every=7, keep_checkpoints=20, seed=11, lr=0.05, lr_steps=(2.0,))
+    values = dict(
+        run_dir=str(run_dir),
+        learners=2,
+        batch_size=4,
+        epochs=3,
+        eval_every=200,
+        target_accuracy=0,
+        checkpoint_every=7,
+        keep_checkpoints=20,
+        seed=11,
+        lr=0.05,
+        lr_steps=(2.0,),
+    )
     values.update(overrides)
     return Config(**values)
 
@@ -50,10 +61,13 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algor
     assert torch.equal(resumed.central, whole.central)
 
     if comm.rank == 0:
-        with h5py.File(list_checkpoints(str(shared_tmp / "whole"))[-1]) as a, \
-                h5py.File(list_checkpoints(str(interrupted_dir))[-1]) as b:
-            names = ["central/z", "central/u", "central/extra"] + [f"ranks/{r}/{part}" for r in range(comm.size)
-                                                  for part in ("weights", "momentum")]
+        with (
+            h5py.File(list_checkpoints(str(shared_tmp / "whole"))[-1]) as a,
+            h5py.File(list_checkpoints(str(interrupted_dir))[-1]) as b,
+        ):
+            names = ["central/z", "central/u", "central/extra"] + [
+                f"ranks/{r}/{part}" for r in range(comm.size) for part in ("weights", "momentum")
+            ]
             for name in names:
                 assert (a[name][...] == b[name][...]).all(), name
 

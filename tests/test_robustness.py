@@ -29,11 +29,14 @@ def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, caps
     fit(comm, config(run_dir))
     if comm.rank == 0:
         paths = list_checkpoints(str(run_dir))
-        assert [p.name for p in paths] == ["checkpoint-000000025.h5", "checkpoint-000000030.h5",
-                                           "checkpoint-000000032.h5"]
+        assert [p.name for p in paths] == [
+            "checkpoint-000000025.h5",
+            "checkpoint-000000030.h5",
+            "checkpoint-000000032.h5",
+        ]
         paths[-1].unlink()
         data = paths[-2].read_bytes()
-        paths[-2].write_bytes(data[:len(data) // 2])
+        paths[-2].write_bytes(data[: len(data) // 2])
         (run_dir / "checkpoint-000000031.h5.tmp").write_bytes(b"half written")
     comm.barrier()
     resumed = fit(comm, config(run_dir, resume=True))

@@ -15,10 +15,12 @@ from crossbow_mpi.data.prepare import prepare
 
 from conftest import REPO
 
-UNSAFE_CALLS = re.compile(r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"
-                          # mpi4py's lower-case methods pickle their Python objects
-                          r"|(?:mpi_comm|COMM_WORLD|COMM_SELF)\.(?:bcast|allgather|gather|scatter|send|recv|isend|irecv|"
-                          r"allreduce|reduce|sendrecv|alltoall)\(")
+UNSAFE_CALLS = re.compile(
+    r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"
+    # mpi4py's lower-case methods pickle their Python objects
+    r"|(?:mpi_comm|COMM_WORLD|COMM_SELF)\.(?:bcast|allgather|gather|scatter|send|recv|isend|irecv|"
+    r"allreduce|reduce|sendrecv|alltoall)\("
+)
 
 
 def test_no_pickle_in_the_library_or_launchers():
@@ -47,12 +49,15 @@ def write_archive(path: Path, members: list[tuple]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("member, reason", [
-    (("/etc/evil.bin", b"x"), "path escapes"),
-    (("cifar-10-batches-bin/../../evil.bin", b"x"), "path escapes"),
-    (("cifar-10-batches-bin/link", b"", tarfile.SYMTYPE, "/etc/passwd"), "not a regular file"),
-    (("cifar-10-batches-bin/hard", b"", tarfile.LNKTYPE, "/etc/passwd"), "not a regular file"),
-])
+@pytest.mark.parametrize(
+    "member, reason",
+    [
+        (("/etc/evil.bin", b"x"), "path escapes"),
+        (("cifar-10-batches-bin/../../evil.bin", b"x"), "path escapes"),
+        (("cifar-10-batches-bin/link", b"", tarfile.SYMTYPE, "/etc/passwd"), "not a regular file"),
+        (("cifar-10-batches-bin/hard", b"", tarfile.LNKTYPE, "/etc/passwd"), "not a regular file"),
+    ],
+)
 def test_unsafe_archive_members_are_refused_before_anything_is_written(tmp_path, member, reason):
     archive = write_archive(tmp_path / "bad.tar.gz", [("cifar-10-batches-bin/test_batch.bin", b"1"), member])
     target = tmp_path / "out"

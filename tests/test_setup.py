@@ -49,8 +49,12 @@ def machine(tmp_path):
     python.chmod(0o755)
     (tmp_path / "bin").mkdir()
     log = tmp_path / "calls.jsonl"
-    env = dict(os.environ, CROSSBOW_VENV=str(tmp_path / "venv"), FAKE_LOG=str(log),
-               PATH=os.pathsep.join([str(tmp_path / "bin"), "/usr/bin", "/bin"]))
+    env = dict(
+        os.environ,
+        CROSSBOW_VENV=str(tmp_path / "venv"),
+        FAKE_LOG=str(log),
+        PATH=os.pathsep.join([str(tmp_path / "bin"), "/usr/bin", "/bin"]),
+    )
     for name in ("CROSSBOW_MPI", "PYTHON", "CROSSBOW_TORCH_CPU_INDEX"):
         env.pop(name, None)
     return env, log
@@ -62,8 +66,9 @@ def executable(path: Path, body: str) -> None:
 
 
 def setup(env: dict, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "launch" / "setup.sh")], capture_output=True, text=True, timeout=300,
-                          env=dict(env, **extra))
+    return subprocess.run(
+        ["bash", str(REPO / "launch" / "setup.sh")], capture_output=True, text=True, timeout=300, env=dict(env, **extra)
+    )
 
 
 def pip_installs(log: Path) -> list[list[str]]:
@@ -87,8 +92,11 @@ def test_an_old_python_stops_before_anything_is_installed(tmp_path, machine):
 def local_cpu_torch_wheel() -> Path | None:
     """A CPU build of torch that pip's configuration here offers from a local directory (find-links), if any."""
     config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-    folders = [value.strip("'") for key, value in (line.split("=", 1) for line in config.splitlines())
-               if key.endswith("find-links")]
+    folders = [
+        value.strip("'")
+        for key, value in (line.split("=", 1) for line in config.splitlines())
+        if key.endswith("find-links")
+    ]
     folders += os.environ.get("PIP_FIND_LINKS", "").split()
     return next((w for f in folders if Path(f).is_dir() for w in sorted(Path(f).glob("torch-*+cpu-*.whl"))), None)
 
@@ -106,8 +114,9 @@ def cpu_index(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         metadata = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         (folder / f"{wheel.name}.metadata").write_bytes(zf.read(metadata))
-    (folder / "index.html").write_text(f'<a href="{wheel.name}" data-dist-info-metadata="true" '
-                                       f'data-core-metadata="true">{wheel.name}</a>\n')
+    (folder / "index.html").write_text(
+        f'<a href="{wheel.name}" data-dist-info-metadata="true" data-core-metadata="true">{wheel.name}</a>\n'
+    )
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "index"))
     handler.log_message = lambda *args: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -172,5 +181,6 @@ def test_system_mpi_without_mpicc_stops_with_one_line(machine):
     env, _ = machine
     job = setup(env, CROSSBOW_MPI="system", CROSSBOW_TORCH_CPU_INDEX="http://127.0.0.1:9")
     assert job.returncode == 1
-    assert job.stderr.splitlines()[-1] == ("launch/setup.sh: CROSSBOW_MPI=system: no mpicc on PATH; load your MPI "
-                                           "first (module load ...)")
+    assert job.stderr.splitlines()[-1] == (
+        "launch/setup.sh: CROSSBOW_MPI=system: no mpicc on PATH; load your MPI first (module load ...)"
+    )

@@ -23,8 +23,9 @@ SAMPLES = 768
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
-                         nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(36, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10)
+    )
 
 
 class RecordingDataset(ArrayDataset):
@@ -49,15 +50,26 @@ def datasets():
 
 
 def config(run_dir, **overrides) -> Config:
-    values = dict(run_dir=str(run_dir), learners=2, batch_size=BATCH, epochs=1, eval_every=0, target_accuracy=0,
-                  checkpoint_every=0, keep_checkpoints=20, seed=3, lr=0.05, threads=1, engine="sequential")
+    values = dict(
+        run_dir=str(run_dir),
+        learners=2,
+        batch_size=BATCH,
+        epochs=1,
+        eval_every=0,
+        target_accuracy=0,
+        checkpoint_every=0,
+        keep_checkpoints=20,
+        seed=3,
+        lr=0.05,
+        threads=1,
+        engine="sequential",
+    )
     values.update(overrides)
     return Config(**values)
 
 
 def state_bits(run) -> list[torch.Tensor]:
-    return [run.central.z.clone(), run.central.u.clone(), run.learners.weights.clone(),
-            run.learners.momentum.clone()]
+    return [run.central.z.clone(), run.central.u.clone(), run.learners.weights.clone(), run.learners.momentum.clone()]
 
 
 @pytest.mark.mpi(min_size=1)
@@ -102,13 +114,20 @@ def test_a_controller_changes_hyperparameters_which_are_recorded_and_checkpointe
     if comm.rank == 0:
         records = [json.loads(line) for line in (shared_tmp / "controlled" / "metrics.jsonl").read_text().splitlines()]
         changes = [r for r in records if r.get("event") == "hyperparams"]
-        assert changes == [{"event": "hyperparams", "iteration": 5, "time_s": changes[0]["time_s"],
-                            "changes": {"lr": [0.05, 0.025], "momentum": [0.9, 0.5]}}]
+        assert changes == [
+            {
+                "event": "hyperparams",
+                "iteration": 5,
+                "time_s": changes[0]["time_s"],
+                "changes": {"lr": [0.05, 0.025], "momentum": [0.9, 0.5]},
+            }
+        ]
         with h5py.File(list_checkpoints(str(shared_tmp / "controlled"))[-1]) as f:
             assert json.loads(f["ranks/0"].attrs["hyperparams"])["lr"] == 0.025
     comm.barrier()
-    unchanged = Trainer(config(shared_tmp / "unchanged"), comm).fit(mlp, train, test, controllers=[lambda run, step: {
-        "lr": 0.05}])
+    unchanged = Trainer(config(shared_tmp / "unchanged"), comm).fit(
+        mlp, train, test, controllers=[lambda run, step: {"lr": 0.05}]
+    )
     assert torch.equal(plain.central, unchanged.central)
 
 
@@ -184,4 +203,3 @@ def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, le
         result = Trainer(dataclasses.replace(reaching, resume=True), scope).fit(mlp, train, test)
         assert result.reached and result.iterations > CHECKPOINT_AT
     comm.barrier()
-

@@ -22,12 +22,16 @@ def test_without_the_package_the_run_stops_at_start_with_one_line(tmp_path, monk
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('tensorboard is blocked for this test')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")])))
-    job = run_job(2, ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--model", "mlp",
-                      "--tensorboard"], timeout=120)
+    job = run_job(
+        2,
+        ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--model", "mlp", "--tensorboard"],
+        timeout=120,
+    )
     assert job.returncode == 2
     errors = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi: error:")]
-    assert errors == ["crossbow_mpi: error: --tensorboard needs the tensorboard package: "
-                      "pip install 'crossbow_mpi[tensorboard]'"]
+    assert errors == [
+        "crossbow_mpi: error: --tensorboard needs the tensorboard package: pip install 'crossbow_mpi[tensorboard]'"
+    ]
     assert not (tmp_path / "run").exists()
 
 

@@ -27,8 +27,9 @@ ALGORITHMS = ["sma", "ssgd", "eager"]
 
 
 def small_config(run_dir, **overrides) -> Config:
-    values = dict(run_dir=str(run_dir), learners=2, batch_size=4, epochs=1, eval_every=0, target_accuracy=0,
-                  seed=3, lr=0.05)
+    values = dict(
+        run_dir=str(run_dir), learners=2, batch_size=4, epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05
+    )
     values.update(overrides)
     return Config(**values)
 
@@ -59,13 +60,16 @@ def items(size: int = 64, seed: int = 0, replace: dict | None = None) -> Items:
     return Items([x for x, _ in pairs], [y for _, y in pairs])
 
 
-@pytest.mark.parametrize("text, message", [
-    ("lr = true", "--lr: invalid value True"),
-    ("resume = 5", "--resume: invalid value 5"),
-    ("lr-steps = [1, true]", "--lr-steps: invalid value"),
-    ("epochs = inf", "--epochs must be a finite number"),
-    ("seed = 9223372036854775808", "--seed must be below 2\\*\\*32"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr = true", "--lr: invalid value True"),
+        ("resume = 5", "--resume: invalid value 5"),
+        ("lr-steps = [1, true]", "--lr-steps: invalid value"),
+        ("epochs = inf", "--epochs must be a finite number"),
+        ("seed = 9223372036854775808", "--seed must be below 2\\*\\*32"),
+    ],
+)
 def test_toml_values_of_the_wrong_type_are_refused(tmp_path, text, message):
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
@@ -73,25 +77,31 @@ def test_toml_values_of_the_wrong_type_are_refused(tmp_path, text, message):
         parse_config(["--config", str(path)]).validate(ALGORITHMS)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--epochs", "inf"], "--epochs must be a finite number, got inf"),
-    (["--lr", "nan"], "--lr must be a finite number"),
-    (["--seed", "9223372036854775808"], "--seed must be below 2\\*\\*32"),
-    (["--resume", "5"], "--resume: invalid value '5'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs", "inf"], "--epochs must be a finite number, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--seed", "9223372036854775808"], "--seed must be below 2\\*\\*32"),
+        (["--resume", "5"], "--resume: invalid value '5'"),
+    ],
+)
 def test_flags_out_of_range_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(argv).validate(ALGORITHMS)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"lr": "0.1"}, "--lr: invalid value '0.1' \\(expected float\\)"),
-    ({"batch_size": 16.5}, "--batch-size: invalid value 16.5 \\(expected int\\)"),
-    ({"resume": 1}, "--resume: invalid value 1 \\(expected bool\\)"),
-    ({"momentum": True}, "--momentum: invalid value True"),
-    ({"lr_steps": [1, 2]}, "--lr-steps: invalid value"),
-    ({"epochs": float("inf")}, "--epochs must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lr": "0.1"}, "--lr: invalid value '0.1' \\(expected float\\)"),
+        ({"batch_size": 16.5}, "--batch-size: invalid value 16.5 \\(expected int\\)"),
+        ({"resume": 1}, "--resume: invalid value 1 \\(expected bool\\)"),
+        ({"momentum": True}, "--momentum: invalid value True"),
+        ({"lr_steps": [1, 2]}, "--lr-steps: invalid value"),
+        ({"epochs": float("inf")}, "--epochs must be a finite number"),
+    ],
+)
 def test_api_values_of_the_wrong_type_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         Config(**overrides).validate(ALGORITHMS)
@@ -122,12 +132,15 @@ def test_fetch_batch_names_the_sample_that_does_not_fit():
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("case, message", [
-    ("float labels", "the training set: sample 0 of the dataset Items has label [0-9]+.5 \\(torch.float32\\)"),
-    ("label out of range", "sample 63 of the test set: label 12 is outside the model's 10 classes"),
-    ("wrong shape", "sample 0 of the training set: the model cannot take an input of shape \\(1, 5, 5\\)"),
-    ("tuple output", "the model's output for sample 0 of the training set is a tuple.*output_fn"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("float labels", "the training set: sample 0 of the dataset Items has label [0-9]+.5 \\(torch.float32\\)"),
+        ("label out of range", "sample 63 of the test set: label 12 is outside the model's 10 classes"),
+        ("wrong shape", "sample 0 of the training set: the model cannot take an input of shape \\(1, 5, 5\\)"),
+        ("tuple output", "the model's output for sample 0 of the training set is a tuple.*output_fn"),
+    ],
+)
 def test_datasets_that_do_not_fit_the_model_stop_with_one_line(comm, shared_tmp, case, message):
     train, test, model_fn = items(seed=0), items(seed=1), mlp
     if case == "float labels":
@@ -163,8 +176,9 @@ def test_output_fn_picks_the_class_scores_for_evaluation(comm, shared_tmp):
     def loss_fn(outputs, targets):
         return nn.functional.cross_entropy(outputs[0], targets) + 0.01 * outputs[1]
 
-    result = Trainer(small_config(shared_tmp), comm).fit(TupleOutput, train, test, loss_fn=loss_fn,
-                                                         output_fn=lambda outputs: outputs[0])
+    result = Trainer(small_config(shared_tmp), comm).fit(
+        TupleOutput, train, test, loss_fn=loss_fn, output_fn=lambda outputs: outputs[0]
+    )
     model = TupleOutput()
     vector_to_parameters(result.central, model.parameters())
     inputs, targets = test.get_batch(torch.arange(len(test)))
@@ -179,8 +193,10 @@ def test_nan_in_the_test_inputs_gives_strict_json_with_a_flag(comm, shared_tmp):
     test.inputs[7, 0, 0, 0] = float("nan")
     Trainer(small_config(shared_tmp), comm).fit(mlp, train, test)
     if comm.rank == 0:
+
         def refuse(constant):
             raise AssertionError(f"{constant} is not JSON")
+
         lines = (shared_tmp / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line, parse_constant=refuse) for line in lines]
         assert records[0]["test_loss"] is None and records[0]["non_finite"] == ["test_loss"]
@@ -229,11 +245,17 @@ FAILING_RANK_SCRIPT = """
 def test_an_exception_on_one_rank_ends_an_api_job_with_its_traceback(tmp_path):
     script = tmp_path / "user.py"
     script.write_text(textwrap.dedent(FAILING_RANK_SCRIPT.format(run_dir=str(tmp_path / "run"))))
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO),
+    )
     started = time.monotonic()
-    job = subprocess.run(mpirun_command(2) + [sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=90, env=env)
+    job = subprocess.run(
+        mpirun_command(2) + [sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
+    )
     assert job.returncode != 0
     assert "[rank 1] Traceback" in job.stderr and "RuntimeError: a bad sample on rank 1" in job.stderr, job.stderr
     assert time.monotonic() - started < 60

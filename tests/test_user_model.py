@@ -38,8 +38,9 @@ class Counting(nn.Module):
     def __init__(self, draws: bool = True):
         super().__init__()
         self.draws = draws
-        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(),
-                                    nn.Linear(16, 10))
+        self.layers = nn.Sequential(
+            nn.Flatten(), nn.Linear(FEATURES, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10)
+        )
         self.register_buffer("passes", torch.zeros((), dtype=torch.int64))
         self.register_buffer("draw", torch.zeros(4, dtype=torch.int64))
 
@@ -68,9 +69,11 @@ class Tied(nn.Module):
 
 def recording(model_cls, instances: list):
     """A model_fn that keeps every instance it makes: z's module first, then the learners'."""
+
     def model_fn():
         instances.append(model_cls())
         return instances[-1]
+
     return model_fn
 
 
@@ -98,7 +101,7 @@ def test_frozen_layer_and_constructed_int_buffer_train_like_plain_sgd(comm, shar
 def test_non_float_buffers_are_learner_0s_on_every_learner_and_z(comm, shared_tmp, algorithm):
     train, test = datasets(comm.size, 3)
     instances: list[nn.Module] = []
-    cfg = run_config(shared_tmp, algorithm=algorithm, learners=3, eval_every=10 ** 9)
+    cfg = run_config(shared_tmp, algorithm=algorithm, learners=3, eval_every=10**9)
     if comm.size > 1:  # the draws differ between ranks: refused at the first evaluation, naming the buffer
         with pytest.raises(ConfigError, match="buffers or frozen parameters draw differ between ranks"):
             Trainer(cfg, comm).fit(recording(Counting, instances), train, test)

@@ -6,6 +6,7 @@ from crossbow_mpi.algorithms.sma import SynchronousModelAveraging
 from crossbow_mpi.algorithms.ssgd import SynchronousSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging, EagerSGD)}
+    cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging, EagerSGD)
+}
 
 __all__ = ["ALGORITHMS", "Algorithm", "EagerSGD", "SynchronousModelAveraging", "SynchronousSGD"]

@@ -1,7 +1,7 @@
 """Synchronous SGD: average every learner's gradient, one momentum step of z, learners become z.
 
-    g = (1 / K) Σ_ranks Σ_j ∇ℓ(w_j)          (w_j = z for every learner; K learners over all ranks)
-    d = g + λ z;  u ← μ u + d;  z ← z − η u
+g = (1 / K) Σ_ranks Σ_j ∇ℓ(w_j)          (w_j = z for every learner; K learners over all ranks)
+d = g + λ z;  u ← μ u + d;  z ← z − η u
 """
 
 from __future__ import annotations

@@ -27,8 +27,11 @@ def build_communicator(mpi_comm, kind: str = "mpi", device: torch.device = torch
     owners = gpu_owners(control, device)
     most = max(ranks_per_gpu(owners, rank) for rank in range(control.size))
     if most > 1:
-        _note(control, f"up to {most} ranks share a GPU (more ranks than GPUs): they share its compute, and "
-                       "--learners auto gives each rank its share of the GPU's memory")
+        _note(
+            control,
+            f"up to {most} ranks share a GPU (more ranks than GPUs): they share its compute, and "
+            "--learners auto gives each rank its share of the GPU's memory",
+        )
     if kind == "mpi":
         return control
     try:

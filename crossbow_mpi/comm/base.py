@@ -57,19 +57,20 @@ class Communicator(ABC):
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.mpi_comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes])
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
+        return [out[offsets[i] : offsets[i + 1]].tobytes() for i in range(self.size)]
 
     def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
         """Return every rank's bytes, in rank order, on root (None elsewhere)."""
         sizes = np.empty(self.size, dtype=np.int64) if self.rank == root else None
         self.mpi_comm.Gather(np.array([len(data)], dtype=np.int64), sizes, root=root)
         out = np.empty(int(sizes.sum()), dtype=np.uint8) if self.rank == root else None
-        self.mpi_comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [out, sizes] if self.rank == root else None,
-                              root=root)
+        self.mpi_comm.Gatherv(
+            np.frombuffer(data, dtype=np.uint8), [out, sizes] if self.rank == root else None, root=root
+        )
         if self.rank != root:
             return None
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [out[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
+        return [out[offsets[i] : offsets[i + 1]].tobytes() for i in range(self.size)]
 
     def scatter_bytes(self, parts: list[bytes] | None, root: int = 0) -> bytes:
         """Send root's parts[i] to rank i; return this rank's part."""

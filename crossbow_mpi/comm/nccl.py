@@ -48,8 +48,9 @@ def unique_id_for_cupy(unique_id: bytes, cupy_version: str) -> bytes | tuple[int
 def _load_cupy(device: torch.device):
     """Import CuPy with NCCL and make `device` CuPy's current device."""
     if nccl_module() is None:
-        raise ConfigError("CuPy with NCCL is not installed (pip install cupy-cuda12x or cupy-cuda13x, as "
-                          "torch.version.cuda)")
+        raise ConfigError(
+            "CuPy with NCCL is not installed (pip install cupy-cuda12x or cupy-cuda13x, as torch.version.cuda)"
+        )
     import cupy
 
     cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()).use()
@@ -66,13 +67,20 @@ class NcclCommunicator(Communicator):
             raise ConfigError(f"ranks {', '.join(map(str, sharing))} share GPUs, and NCCL needs one GPU per rank")
         cupy = self._on_every_rank("loading CuPy", lambda: _load_cupy(device))
         self.nccl = cupy.cuda.nccl
-        unique_id = self._on_every_rank("creating the NCCL unique id", lambda: unique_id_bytes(
-            self.nccl.get_unique_id()) if self.rank == 0 else b"")
+        unique_id = self._on_every_rank(
+            "creating the NCCL unique id", lambda: unique_id_bytes(self.nccl.get_unique_id()) if self.rank == 0 else b""
+        )
         unique_id = unique_id_for_cupy(self.bcast_bytes(unique_id), cupy.__version__)
-        self.comm = self._on_every_rank("starting NCCL", lambda: self.nccl.NcclCommunicator(
-            self.size, unique_id, self.rank), undo=lambda comm: comm.abort())
-        self.dtypes = {torch.float32: self.nccl.NCCL_FLOAT32, torch.float16: self.nccl.NCCL_FLOAT16,
-                       torch.float64: self.nccl.NCCL_FLOAT64}
+        self.comm = self._on_every_rank(
+            "starting NCCL",
+            lambda: self.nccl.NcclCommunicator(self.size, unique_id, self.rank),
+            undo=lambda comm: comm.abort(),
+        )
+        self.dtypes = {
+            torch.float32: self.nccl.NCCL_FLOAT32,
+            torch.float16: self.nccl.NCCL_FLOAT16,
+            torch.float64: self.nccl.NCCL_FLOAT64,
+        }
         if hasattr(self.nccl, "NCCL_BFLOAT16"):
             self.dtypes[torch.bfloat16] = self.nccl.NCCL_BFLOAT16
 
@@ -95,8 +103,10 @@ class NcclCommunicator(Communicator):
         return result
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
-        self._run(tensor, lambda ptr, count, dtype, stream:
-                  self.comm.allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, stream))
+        self._run(
+            tensor,
+            lambda ptr, count, dtype, stream: self.comm.allReduce(ptr, ptr, count, dtype, self.nccl.NCCL_SUM, stream),
+        )
         return Reduction(tensor, self.size)
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:

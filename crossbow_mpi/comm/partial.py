@@ -66,8 +66,11 @@ class PartialAllreduce(Communicator):
         self.mode = mode
         self.sync_every = sync_every
         self.seed = seed
-        self.neighbours = [self.rank ^ bit for bit in (1 << i for i in range((self.size - 1).bit_length()))
-                           if self.rank ^ bit < self.size]
+        self.neighbours = [
+            self.rank ^ bit
+            for bit in (1 << i for i in range((self.size - 1).bit_length()))
+            if self.rank ^ bit < self.size
+        ]
         self.cond = threading.Condition()
         self.pending: list[tuple[int, torch.Tensor]] = []
         """Contributions not yet in a round, with the round each arrived for (shared, under cond)."""
@@ -122,9 +125,12 @@ class PartialAllreduce(Communicator):
         staleness = window["staleness"].tolist()
         while staleness and staleness[-1] == 0:
             staleness.pop()
-        return {"eager_rounds": window["rounds"], "eager_sync_rounds": window["sync"],
-                "eager_fresh_per_round": window["fresh"] / max(window["rounds"] - window["drains"], 1),
-                "eager_staleness": staleness}
+        return {
+            "eager_rounds": window["rounds"],
+            "eager_sync_rounds": window["sync"],
+            "eager_fresh_per_round": window["fresh"] / max(window["rounds"] - window["drains"], 1),
+            "eager_staleness": staleness,
+        }
 
     def _empty_window(self) -> dict:
         return {"rounds": 0, "sync": 0, "drains": 0, "fresh": 0, "staleness": np.zeros(self.sync_every, np.int64)}
@@ -159,8 +165,9 @@ class PartialAllreduce(Communicator):
         self.channel = self.mpi_comm.Dup()
         self.transport = MpiCommunicator(self.channel)
         self.zeros = torch.zeros_like(template)
-        self.thread = threading.Thread(target=self._progress, args=(self.next_round,), name="partial-allreduce",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._progress, args=(self.next_round,), name="partial-allreduce", daemon=True
+        )
         self.thread.start()
 
     def _progress(self, number: int) -> None:
@@ -179,8 +186,11 @@ class PartialAllreduce(Communicator):
         while True:
             kind = self._activation(number, recvs)
             outbox = np.array([number], dtype=np.int64)
-            sends = [self.channel.Isend(outbox, dest=n, tag=ACTIVATE_TAG) for n in self.neighbours] \
-                if kind == "eager" else []
+            sends = (
+                [self.channel.Isend(outbox, dest=n, tag=ACTIVATE_TAG) for n in self.neighbours]
+                if kind == "eager"
+                else []
+            )
             with self.cond:
                 taken, self.pending = self.pending, []
             staleness = np.bincount([number - arrived for arrived, _ in taken], minlength=self.sync_every)
@@ -207,8 +217,10 @@ class PartialAllreduce(Communicator):
 
     def _listen(self, inbox: np.ndarray) -> list:
         """Post one receive per neighbour for the next activation message."""
-        return [self.channel.Irecv(inbox[i:i + 1], source=neighbour, tag=ACTIVATE_TAG)
-                for i, neighbour in enumerate(self.neighbours)]
+        return [
+            self.channel.Irecv(inbox[i : i + 1], source=neighbour, tag=ACTIVATE_TAG)
+            for i, neighbour in enumerate(self.neighbours)
+        ]
 
     def _activation(self, number: int, recvs: list) -> str:
         """Wait until round `number` is activated, by this rank's arrival or a neighbour's message; return its kind."""

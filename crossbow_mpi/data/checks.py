@@ -17,8 +17,9 @@ SAMPLES_CHECKED = 4
 
 
 @torch.no_grad()
-def check_samples(module: nn.Module, dtype: torch.dtype, dataset, role: str,
-                  output_fn: Callable[[object], torch.Tensor] | None = None) -> None:
+def check_samples(
+    module: nn.Module, dtype: torch.dtype, dataset, role: str, output_fn: Callable[[object], torch.Tensor] | None = None
+) -> None:
     """Run the first, the last and samples between of `dataset` (called `role` in messages) one at a time through
     the module in evaluation mode; raise DataError at the first that does not fit."""
     device = next(module.parameters()).device
@@ -34,13 +35,16 @@ def check_samples(module: nn.Module, dtype: torch.dtype, dataset, role: str,
             outputs = module(inputs)
         except (RuntimeError, ValueError, IndexError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DataError(f"{where}: the model cannot take an input of shape {tuple(inputs.shape[1:])} "
-                            f"({reason})") from None
+            raise DataError(
+                f"{where}: the model cannot take an input of shape {tuple(inputs.shape[1:])} ({reason})"
+            ) from None
         scores = outputs if output_fn is None else output_fn(outputs)
         if not (isinstance(scores, torch.Tensor) and scores.dim() == 2 and len(scores) == 1):
             got = f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else f"a {type(scores).__name__}"
-            raise DataError(f"the model's output for {where} is {got}, not one row of class scores per sample; "
-                            "pass fit(..., output_fn=...) to pick the class scores for evaluation")
+            raise DataError(
+                f"the model's output for {where} is {got}, not one row of class scores per sample; "
+                "pass fit(..., output_fn=...) to pick the class scores for evaluation"
+            )
         label, classes = int(targets[0]), scores.shape[1]
         if not 0 <= label < classes:
             raise DataError(f"{where}: label {label} is outside the model's {classes} classes")

@@ -61,12 +61,13 @@ class ArrayDataset(Dataset):
             raise ValueError(f"inputs must be uint8 or floating point, got {inputs.dtype}")
         if targets.dtype != torch.int64 or targets.shape != (len(inputs),):
             raise ValueError(
-                f"targets must be int64 of shape ({len(inputs)},), "
-                f"got {targets.dtype} of shape {tuple(targets.shape)}"
+                f"targets must be int64 of shape ({len(inputs)},), got {targets.dtype} of shape {tuple(targets.shape)}"
             )
         if len(targets) and not (0 <= int(targets.min()) and int(targets.max()) < num_classes):
-            raise ValueError(f"targets must be class indices in [0, {num_classes}), "
-                             f"got values from {int(targets.min())} to {int(targets.max())}")
+            raise ValueError(
+                f"targets must be class indices in [0, {num_classes}), "
+                f"got values from {int(targets.min())} to {int(targets.max())}"
+            )
         if (mean is None) != (std is None):
             raise ValueError("mean and std must be given together")
         self.inputs = inputs
@@ -325,8 +326,9 @@ SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
 
 def _synthetic(name: str, train_size: int, test_size: int) -> Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]:
     input_shape, num_classes = SHAPES[name]
-    return functools.partial(_build_synthetic, input_shape=input_shape, num_classes=num_classes,
-                             train_size=train_size, test_size=test_size)
+    return functools.partial(
+        _build_synthetic, input_shape=input_shape, num_classes=num_classes, train_size=train_size, test_size=test_size
+    )
 
 
 DATASETS: dict[str, Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]] = {

@@ -40,7 +40,7 @@ class GlobalSampler:
         """Return this rank's [learners, batch_size] sample indices."""
         assert self.fits(offset, learners, batch_size)
         start = offset + self.rank * learners * batch_size
-        return self.permutation(epoch)[start:start + learners * batch_size].view(learners, batch_size)
+        return self.permutation(epoch)[start : start + learners * batch_size].view(learners, batch_size)
 
 
 def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +54,20 @@ def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         samples, labels = [torch.as_tensor(x) for x, _ in items], [torch.as_tensor(y) for _, y in items]
         for i, x, y in zip(rows, samples, labels):
             if x.shape != samples[0].shape:
-                raise DataError(f"sample {i} of {describe(dataset)} has shape {tuple(x.shape)}, "
-                                f"sample {rows[0]} has {tuple(samples[0].shape)}")
+                raise DataError(
+                    f"sample {i} of {describe(dataset)} has shape {tuple(x.shape)}, "
+                    f"sample {rows[0]} has {tuple(samples[0].shape)}"
+                )
             if y.numel() != 1:
-                raise DataError(f"sample {i} of {describe(dataset)} has a label of shape {tuple(y.shape)}, "
-                                "not one class index")
+                raise DataError(
+                    f"sample {i} of {describe(dataset)} has a label of shape {tuple(y.shape)}, not one class index"
+                )
         inputs, targets = torch.stack(samples), torch.stack([y.reshape(()) for y in labels])
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise DataError(f"sample {int(indices[0])} of {describe(dataset)} has label {targets[0].item()!r} "
-                        f"({targets.dtype}): labels must be integer class indices")
+        raise DataError(
+            f"sample {int(indices[0])} of {describe(dataset)} has label {targets[0].item()!r} "
+            f"({targets.dtype}): labels must be integer class indices"
+        )
     return inputs, targets.to(torch.int64)
 
 

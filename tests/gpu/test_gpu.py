@@ -74,8 +74,19 @@ def test_nccl_inside_the_trainer_with_streams_matches_the_sequential_mpi_run(com
     train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
     results = {}
     for transport, engine in (("nccl", "streams"), ("mpi", "sequential")):
-        cfg = Config(run_dir=str(shared_tmp / transport), device="cuda", comm=transport, engine=engine, learners=2,
-                     batch_size=8, epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05)
+        cfg = Config(
+            run_dir=str(shared_tmp / transport),
+            device="cuda",
+            comm=transport,
+            engine=engine,
+            learners=2,
+            batch_size=8,
+            epochs=1,
+            eval_every=0,
+            target_accuracy=0,
+            seed=3,
+            lr=0.05,
+        )
         trainer = Trainer(cfg)
         assert isinstance(trainer.comm, NcclCommunicator) == (transport == "nccl")
         results[transport] = trainer.fit(convnet, train, train)
@@ -86,9 +97,21 @@ def test_nccl_inside_the_trainer_with_streams_matches_the_sequential_mpi_run(com
 @pytest.mark.parametrize("learners", [1, 3])
 def test_sma_on_gpu_with_streams_matches_the_float64_reference(comm, shared_tmp, learners):
     train = synthetic_dataset((1, 6, 6), 10, STEPS * comm.size * learners * BATCH, seed=0)
-    cfg = Config(run_dir=str(shared_tmp / "gpu"), device="cuda", engine="streams", learners=learners,
-                 batch_size=BATCH, epochs=1, eval_every=0, target_accuracy=0, seed=7, lr=0.05,
-                 weight_decay=0.001, lr_steps=(0.5,), lr_gamma=0.5)
+    cfg = Config(
+        run_dir=str(shared_tmp / "gpu"),
+        device="cuda",
+        engine="streams",
+        learners=learners,
+        batch_size=BATCH,
+        epochs=1,
+        eval_every=0,
+        target_accuracy=0,
+        seed=7,
+        lr=0.05,
+        weight_decay=0.001,
+        lr_steps=(0.5,),
+        lr_gamma=0.5,
+    )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, train)
     reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, [learners] * STEPS)
     assert relative_error(result.central, reference) < 1e-6
@@ -99,8 +122,18 @@ def test_stream_engine_agrees_with_sequential_on_gpu(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 256 * comm.size, seed=0)
     results = {}
     for engine in ("sequential", "streams"):
-        cfg = Config(run_dir=str(shared_tmp / engine), device="cuda", engine=engine, learners=4, batch_size=8,
-                     epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05)
+        cfg = Config(
+            run_dir=str(shared_tmp / engine),
+            device="cuda",
+            engine=engine,
+            learners=4,
+            batch_size=8,
+            epochs=1,
+            eval_every=0,
+            target_accuracy=0,
+            seed=3,
+            lr=0.05,
+        )
         results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
 
@@ -110,13 +143,24 @@ def test_bf16_on_gpu_runs_the_learners_convolutions_in_bfloat16(comm, shared_tmp
     train = synthetic_dataset((1, 6, 6), 10, 512 * comm.size, seed=0)
     convolution_dtypes = {"fp32": set(), "bf16": set()}
     for precision, seen in convolution_dtypes.items():
+
         def recording_convnet(seen: set = seen) -> nn.Module:
             model = convnet()
             model[0].register_forward_hook(lambda module, inputs, output: seen.add(output.dtype))
             return model
 
-        cfg = Config(run_dir=str(shared_tmp / precision), device="cuda", precision=precision, learners=2,
-                     batch_size=16, epochs=3, eval_every=0, target_accuracy=0, seed=4, lr=0.05)
+        cfg = Config(
+            run_dir=str(shared_tmp / precision),
+            device="cuda",
+            precision=precision,
+            learners=2,
+            batch_size=16,
+            epochs=3,
+            eval_every=0,
+            target_accuracy=0,
+            seed=4,
+            lr=0.05,
+        )
         result = Trainer(cfg, comm).fit(recording_convnet, train, train)
         assert torch.isfinite(result.central).all() and result.test_accuracy > 0.3
     assert convolution_dtypes["fp32"] == {torch.float32} and torch.bfloat16 in convolution_dtypes["bf16"]
@@ -162,8 +206,20 @@ def test_ssgd_and_eager_on_streams_agree_with_sequential_on_gpu(comm, shared_tmp
     train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
     results = {}
     for engine in ("sequential", "streams"):
-        cfg = Config(run_dir=str(shared_tmp / f"{algorithm}-{engine}"), device="cuda", engine=engine, comm="mpi",
-                     algorithm=algorithm, eager_sync_every=1, learners=2, batch_size=8, epochs=1, eval_every=0,
-                     target_accuracy=0, seed=3, lr=0.05)
+        cfg = Config(
+            run_dir=str(shared_tmp / f"{algorithm}-{engine}"),
+            device="cuda",
+            engine=engine,
+            comm="mpi",
+            algorithm=algorithm,
+            eager_sync_every=1,
+            learners=2,
+            batch_size=8,
+            epochs=1,
+            eval_every=0,
+            target_accuracy=0,
+            seed=3,
+            lr=0.05,
+        )
         results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
