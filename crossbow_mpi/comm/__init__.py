@@ -11,17 +11,23 @@ from crossbow_mpi.config import ConfigError
 __all__ = ["Communicator", "MpiCommunicator", "build_communicator", "build_transport"]
 
 
-def build_communicator(mpi_comm, kind: str = "mpi", device: torch.device = torch.device("cpu")) -> Communicator:
+def build_communicator(
+    mpi_comm, kind: str = "mpi", device: torch.device = torch.device("cpu"), hierarchy: str = "flat"
+) -> Communicator:
     """Return the communicator for this job's ranks (collective): `mpi`, `nccl`, or `auto` (NCCL on GPUs, else
     MPI; when NCCL cannot start, rank 0 says why in one line and MPI is used).
 
-    On GPUs rank 0 also says in one line when ranks share a GPU."""
+    `hierarchy`: `node` sums over MPI within each node first (see HierarchicalCommunicator; with `auto` it keeps
+    MPI on GPUs), `flat` in one collective, `auto` by node when the ranks span several nodes and MPI is the
+    transport (NCCL orders its own rings by node). On GPUs rank 0 also says in one line when ranks share a GPU."""
     from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
     from crossbow_mpi.comm.nccl import NcclCommunicator
 
+    if kind == "nccl" and hierarchy == "node":
+        raise ConfigError("--hierarchy node sums over MPI: pass --comm mpi with it (NCCL orders its rings by node)")
     if kind == "nccl" and device.type != "cuda":
         raise ConfigError("--comm nccl needs CUDA devices (--device cuda)")
-    control = MpiCommunicator(mpi_comm)
+    control = _mpi_communicator(mpi_comm, hierarchy)
     if device.type != "cuda":
         return control
     owners = gpu_owners(control, device)
@@ -32,7 +38,7 @@ def build_communicator(mpi_comm, kind: str = "mpi", device: torch.device = torch
             f"up to {most} ranks share a GPU (more ranks than GPUs): they share its compute, and "
             "--learners auto gives each rank its share of the GPU's memory",
         )
-    if kind == "mpi":
+    if kind == "mpi" or hierarchy == "node":
         return control
     try:
         return NcclCommunicator(mpi_comm, device)
@@ -41,6 +47,16 @@ def build_communicator(mpi_comm, kind: str = "mpi", device: torch.device = torch
             raise ConfigError(f"--comm nccl: {err}") from None
         _note(control, f"--comm auto: using MPI for the allreduce, since NCCL cannot start: {err}")
         return control
+
+
+def _mpi_communicator(mpi_comm, hierarchy: str) -> MpiCommunicator:
+    """Return the MPI backend over `mpi_comm`, summing by node as `hierarchy` asks (collective)."""
+    from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
+
+    if hierarchy == "flat":
+        return MpiCommunicator(mpi_comm)
+    by_node = HierarchicalCommunicator(mpi_comm)
+    return by_node if hierarchy == "node" or by_node.nodes > 1 else MpiCommunicator(mpi_comm)
 
 
 def _note(comm: Communicator, text: str) -> None:

@@ -30,6 +30,9 @@ class Communicator(ABC):
     buffers, never as Python objects.
     """
 
+    hierarchy = "flat"
+    """How `allreduce_sum_` spans the scope's nodes: `flat` (one collective over all ranks) or `node`."""
+
     def __init__(self, mpi_comm):
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
