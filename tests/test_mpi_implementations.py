@@ -1,0 +1,20 @@
+"""What differs between MPI implementations (Open MPI's mpirun, MPICH's Hydra, srun): the launcher's variables."""
+
+import os
+
+import pytest
+
+from crossbow_mpi import runtime
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_launchers_local_rank_variable_is_known_and_agrees_with_mpi(comm):
+    launcher = runtime.launcher_variables()
+    if launcher is None:
+        pytest.skip("not started by a launcher (a singleton MPI process)")
+    size_name, local_names = launcher
+    assert int(os.environ[size_name]) == comm.size
+    local_rank = runtime.node_placement(comm.mpi_comm)[0]
+    known = [name for name in local_names if name in os.environ]
+    assert known, f"{size_name} is set, but none of {local_names}"
+    assert int(os.environ[known[0]]) == local_rank
