@@ -4,9 +4,9 @@
 # reaches the nodes through `--mca plm_rsh_agent "launch/netns_nodes.sh rsh"` instead of ssh. Needs root and
 # iproute2; every address lives inside the namespaces made here, and `down` removes them all.
 #
-#   bash launch/netns_nodes.sh up PREFIX N [SUBNET]   make PREFIX-head and nodes PREFIX-0 .. PREFIX-(N-1), print
-#                                                     a hostfile (one `PREFIX-i slots=...` line per node) is up to
-#                                                     the caller; SUBNET is the first three octets (10.213.0)
+#   bash launch/netns_nodes.sh up PREFIX N [SUBNET]   make PREFIX-head and nodes PREFIX-0 .. PREFIX-(N-1) (name
+#                                                     them in a hostfile: `PREFIX-i slots=R`); SUBNET is the
+#                                                     first three octets of their addresses (10.213.0)
 #   bash launch/netns_nodes.sh shape PREFIX N RATE DELAY   shape each node's link with netem (1gbit 1ms)
 #   bash launch/netns_nodes.sh head PREFIX CMD...     run CMD in the head namespace (where mpirun runs)
 #   bash launch/netns_nodes.sh rsh NODE CMD...        run CMD on NODE (what Open MPI calls instead of ssh)
@@ -51,8 +51,8 @@ down() {
 
 kill_node() {
     local pids
-    pids=$(ip netns pids "$1" 2>/dev/null || true)
-    [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+    mapfile -t pids < <(ip netns pids "$1" 2>/dev/null || true)
+    [ "${#pids[@]}" = 0 ] || kill -9 "${pids[@]}" 2>/dev/null || true
 }
 
 case ${1:-} in
@@ -69,6 +69,7 @@ case ${1:-} in
     rsh)
         node=$2
         shift 2
+        # shellcheck disable=SC2016  # $0 and $* expand in the node's shell
         ip netns exec "$node" unshare --uts sh -c 'hostname "$0" && exec sh -c "$*"' "$node" "$@" || exit 255
         ;;
     kill) kill_node "$2" ;;

@@ -187,7 +187,16 @@ def test_threads_follow_the_ranks_binding(tmp_path):
 
 # --- the batch scripts, with faked schedulers ---------------------------------------------------------------
 
-SCRIPTS = ["launch/setup.sh", "launch/local.sh", "launch/common.sh", "launch/slurm.sbatch", "launch/pbs.sh"]
+SCRIPTS = [
+    "launch/setup.sh",
+    "launch/local.sh",
+    "launch/common.sh",
+    "launch/slurm.sbatch",
+    "launch/pbs.sh",
+    "launch/netns_nodes.sh",
+    "tests/run.sh",
+    "tests/run_mpis.sh",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
