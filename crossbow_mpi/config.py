@@ -121,7 +121,6 @@ class Config:
         """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names.
         (`inject_imbalance` is parsed where the job's size is known.)"""
         from crossbow_mpi.data import dataset_names
-        from crossbow_mpi.metrics import summary_writer_class
         from crossbow_mpi.models import model_names
 
         for f in dataclasses.fields(self):
@@ -182,8 +181,6 @@ class Config:
             raise ConfigError("--momentum and --central-momentum must be below 1")
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
-        if self.tensorboard:
-            summary_writer_class()
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
 

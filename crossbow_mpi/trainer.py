@@ -25,6 +25,7 @@ from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
+from crossbow_mpi.metrics import summary_writer_class
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
 
@@ -87,6 +88,8 @@ class Trainer:
         world = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
         agree(world, runtime.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
+        if config.tensorboard:
+            agree(world, summary_writer_class)
         configs = world.allgather_json(dataclasses.asdict(config))
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:

@@ -13,7 +13,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
-    4: ["train"],
+    4: ["train", "export", "report"],
     3: ["trainer", "components", "run", "checkpoint"],
     2: ["algorithms", "tuner", "schedule"],
     1: ["learners", "engines", "comm", "topology", "watchdog"],
