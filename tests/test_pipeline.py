@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from crossbow_mpi import Config, Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.models import LeNet
 from crossbow_mpi.pipeline import schedule_ops
 from crossbow_mpi.stages import split_model
 
@@ -257,3 +259,17 @@ def test_schedules_complete_and_1f1b_bounds_the_activations_held(schedule, stage
                 held += 1 if op == "F" else -1
                 peak = max(peak, held)
             assert peak <= stages - s
+
+
+def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--dataset", "synthetic-mnist", "--model", "lenet", "--pipeline-stages", "2", "--micro-batches", "2"]
+    args += ["--schedule", "1f1b", "--epochs", "0.002", "--target-accuracy", "0", "--run-dir", str(run_dir)]
+    job = run_job(2, args, timeout=120)
+    assert job.returncode == 0, job.stderr
+    with h5py.File(list_checkpoints(str(run_dir))[-1]) as f:
+        assert f.attrs["pipeline_stages"] == 2 and "central" not in f
+        sizes = [f[f"stages/{s}/central/z"].shape[0] for s in (0, 1)]
+        assert [f[f"ranks/{r}/weights"].shape[1] for r in (0, 1)] == sizes
+    lenet = LeNet()
+    assert sum(sizes) == sum(p.numel() for p in lenet.parameters())
