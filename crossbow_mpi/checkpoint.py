@@ -1,7 +1,8 @@
 """HDF5 checkpoints of named parts: written by rank 0 from every rank's snapshot, read back on any number of ranks.
 
 Layout (format version 2; every JSON value is a string attribute, so `h5dump` shows the whole file):
-    /                    attrs: format_version, complete, config (JSON), layout_signature, world_size
+    /                    attrs: format_version, complete, config (JSON), layout_signature, world_size,
+                         pipeline_stages (absent: 1)
     /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner and
                          algorithm (JSON: the auto-tuner's and the algorithm's own state)
     /central/z           [num_state]           central model: parameters then float buffers
@@ -11,6 +12,9 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
     /ranks/<r>/momentum  [k_r, num_params]
     /ranks/<r>/rng       uint8                 JSON of rank r's Python, NumPy and torch generator states
+
+With pipeline stages (M > 1) the central model is sharded by stage: /stages/<s>/central/{z,u,extra} hold stage s's
+shard (from rank s), rank r's learners are of stage r mod M, and layout_signature joins the stages' signatures.
 
 Resuming on another number of ranks or learners reshards: rank r takes the part of rank r where it exists; a new
 rank takes rank 0's hyper-parameters, starts its learners from z and keeps the RNGs seeded from the seed and
@@ -33,7 +37,8 @@ from crossbow_mpi.config import ConfigError
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
-ARRAYS = ("central/z", "central/u", "central/extra")
+ARRAYS = ("z", "u", "extra")
+"""The central model's arrays, in its group."""
 
 
 class CheckpointError(RuntimeError):
@@ -44,9 +49,23 @@ def checkpoint_path(run_dir: str, iteration: int) -> Path:
     return Path(run_dir) / f"checkpoint-{iteration:09d}.h5"
 
 
-def save(world: Communicator, run_dir: str, snapshot: dict, config_json: str, layout_signature: str, keep: int) -> Path:
+def central_group(stage: int, stages: int) -> str:
+    """Return the group that holds a stage's shard of the central model."""
+    return "central" if stages == 1 else f"stages/{stage}/central"
+
+
+def save(
+    world: Communicator,
+    run_dir: str,
+    snapshot: dict,
+    config_json: str,
+    layout_signature: str,
+    keep: int,
+    stages: int = 1,
+) -> Path:
     """Write every rank's snapshot (`Run.state_dict` plus the tuner's) as one checkpoint (collective); keep the
-    newest `keep` checkpoints. The ranks' training-loss windows are summed into rank 0's state."""
+    newest `keep` checkpoints. The ranks' training-loss windows are summed into rank 0's state. With `stages`,
+    rank s < stages gives stage s's central model."""
     train = dict(snapshot["train"])
     train["loss_sum"], train["loss_count"] = world.allreduce_sum_numbers([train["loss_sum"], train["loss_count"]])
     train["loss_count"] = int(train["loss_count"])
@@ -58,11 +77,14 @@ def save(world: Communicator, run_dir: str, snapshot: dict, config_json: str, la
         json.dumps(snapshot["rng"]).encode(),
     ]
     gathered = [world.gather_bytes(part) for part in rank_parts]
+    central = snapshot["central"]
+    central_parts = [_bytes(central["z"]), _bytes(central["u"]), central["extra"]]
+    centrals = [world.gather_bytes(part if world.rank < stages else b"") for part in central_parts]
     path = checkpoint_path(run_dir, train["iteration"])
     error = None
     if world.rank == 0:
         try:
-            _write(path, snapshot, train, gathered, config_json, layout_signature)
+            _write(path, snapshot, train, gathered, [c[:stages] for c in centrals], config_json, layout_signature)
             _prune(run_dir, keep)
         except OSError as err:
             error = f"cannot write checkpoint {path}: {err.strerror or err}"
@@ -77,28 +99,39 @@ def _bytes(tensor: torch.Tensor) -> bytes:
 
 
 def _write(
-    path: Path, snapshot: dict, train: dict, gathered: list[list[bytes]], config_json: str, layout_signature: str
+    path: Path,
+    snapshot: dict,
+    train: dict,
+    gathered: list[list[bytes]],
+    centrals: list[list[bytes]],
+    config_json: str,
+    layout_signature: str,
 ) -> None:
-    central = snapshot["central"]
-    z, u = central["z"].cpu().numpy(), central["u"].cpu().numpy()
+    dtype, stages = snapshot["central"]["z"].cpu().numpy().dtype, len(centrals[0])
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["config"] = config_json
         f.attrs["layout_signature"] = layout_signature
         f.attrs["world_size"] = len(gathered[0])
+        f.attrs["pipeline_stages"] = stages
         group = f.create_group("train")
         group.attrs["state"] = json.dumps(train)
         group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
-        f.create_dataset("central/z", data=z)
-        f.create_dataset("central/u", data=u)
-        f.create_dataset("central/extra", data=np.frombuffer(central["extra"], dtype=np.uint8))
+        sizes = []
+        for stage, (z, u, extra) in enumerate(zip(*centrals)):
+            group = f.create_group(central_group(stage, stages))
+            group.create_dataset("z", data=np.frombuffer(z, dtype=dtype))
+            group.create_dataset("u", data=np.frombuffer(u, dtype=dtype))
+            group.create_dataset("extra", data=np.frombuffer(extra, dtype=np.uint8))
+            sizes.append((group["z"].size, group["u"].size))
         for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
-            group.create_dataset("weights", data=np.frombuffer(weights, dtype=z.dtype).reshape(-1, z.size))
-            group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=u.dtype).reshape(-1, u.size))
+            num_state, num_params = sizes[rank % stages]
+            group.create_dataset("weights", data=np.frombuffer(weights, dtype=dtype).reshape(-1, num_state))
+            group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=dtype).reshape(-1, num_params))
             group.create_dataset("rng", data=np.frombuffer(rng, dtype=np.uint8))
         f.attrs["complete"] = True
         f.flush()
@@ -127,7 +160,8 @@ def check(path: Path) -> str | None:
                 return f"format version {f.attrs.get('format_version')} (expected {FORMAT_VERSION})"
             if not f.attrs.get("complete", False):
                 return "incomplete"
-            for name in (*ARRAYS, "train", "ranks/0/weights"):
+            central = central_group(0, int(f.attrs.get("pipeline_stages", 1)))
+            for name in (*(f"{central}/{a}" for a in ARRAYS), "train", "ranks/0/weights"):
                 if name not in f:
                     return f"missing {name}"
     except (OSError, KeyError) as err:
@@ -162,9 +196,9 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     if "error" in header:
         raise ConfigError(header["error"])
     arrays = _read_arrays(header["path"], world.size) if world.rank == 0 else {}
-    z = _tensor(world.bcast_bytes(arrays.get("z")), header["dtype"])
-    u = _tensor(world.bcast_bytes(arrays.get("u")), header["dtype"])
-    extra = world.bcast_bytes(arrays.get("extra"))
+    z = _tensor(world.scatter_bytes(arrays.get("z")), header["dtype"])
+    u = _tensor(world.scatter_bytes(arrays.get("u")), header["dtype"])
+    extra = world.scatter_bytes(arrays.get("extra"))
     weights, momentum, rng = (world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng"))
     mine = world.rank < header["world_size"]
     learners = None
@@ -188,18 +222,21 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
 
 
 def _read_arrays(path: str, world_size: int) -> dict:
-    """Return z's and u's bytes, and for each rank of this job its weights', momentum's and RNG's (empty for a rank
-    the checkpoint does not hold)."""
+    """Return for each rank of this job its stage's z, u and extra state, and its weights', momentum's and RNG's
+    bytes (empty for a rank the checkpoint does not hold)."""
     with h5py.File(path, "r") as f:
-        held = int(f.attrs["world_size"])
+        held, stages = int(f.attrs["world_size"]), int(f.attrs.get("pipeline_stages", 1))
 
         def per_rank(name: str) -> list[bytes]:
             return [f[f"ranks/{r}/{name}"][...].tobytes() if r < held else b"" for r in range(world_size)]
 
+        def per_stage(name: str) -> list[bytes]:
+            return [f[f"{central_group(r % stages, stages)}/{name}"][...].tobytes() for r in range(world_size)]
+
         return {
-            "z": f["central/z"][...].tobytes(),
-            "u": f["central/u"][...].tobytes(),
-            "extra": f["central/extra"][...].tobytes(),
+            "z": per_stage("z"),
+            "u": per_stage("u"),
+            "extra": per_stage("extra"),
             "weights": per_rank("weights"),
             "momentum": per_rank("momentum"),
             "rng": per_rank("rng"),
@@ -217,7 +254,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
         return {
             "path": str(path),
             "world_size": held,
-            "dtype": f["central/z"].dtype.str,
+            "dtype": f[f"{central_group(0, int(f.attrs.get('pipeline_stages', 1)))}/z"].dtype.str,
             "state": json.loads(f["train"].attrs["state"]),
             "tuner": json.loads(f["train"].attrs["tuner"]),
             "algorithm": json.loads(f["train"].attrs["algorithm"]),

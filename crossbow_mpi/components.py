@@ -261,13 +261,18 @@ class Checkpoints:
             self.config.run_dir,
             snapshot,
             self.config.to_json(),
-            run.layout.signature,
+            self.signature(run),
             self.config.keep_checkpoints,
+            self.config.pipeline_stages,
         )
+
+    def signature(self, run: Run) -> str:
+        """Return the model's layout signature; with pipeline stages, the stages' joined (collective)."""
+        return "+".join(self.world.allgather_json(run.layout.signature)[: self.config.pipeline_stages])
 
     def restore(self, run: Run) -> list[str]:
         """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
-        snapshot, notes = checkpoint.load(self.world, self.config.run_dir, run.layout.signature)
+        snapshot, notes = checkpoint.load(self.world, self.config.run_dir, self.signature(run))
         fixed = self.config.learners if self.config.learners != "auto" else None
         run.load_state_dict(snapshot, learners=fixed)
         self.tuning.load_state_dict(snapshot["tuner"])

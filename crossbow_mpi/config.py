@@ -16,6 +16,7 @@ COMMS = ("auto", "mpi", "nccl")
 HIERARCHIES = ("auto", "flat", "node")
 PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
+SCHEDULES = ("gpipe", "1f1b")
 SEED_LIMIT = 2**32
 
 
@@ -103,6 +104,14 @@ class Config:
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
     threads: int = 0
     """Intra-op threads per rank; 0: the CPUs the rank is bound to, shared with the node's ranks bound to them."""
+    pipeline_stages: int = 1
+    """Split each learner's model into this many stages on consecutive ranks (pipeline parallelism); the ranks
+    divided by the stages are the pipelines, which run data-parallel."""
+    micro_batches: int = 1
+    """With `pipeline_stages`: micro-batches each learner's batch is cut into."""
+    schedule: str = "gpipe"
+    """With `pipeline_stages`: `gpipe` (every forward pass, then every backward pass) or `1f1b` (one forward, one
+    backward: fewer activations held)."""
     seed: int = 1
     """Seed of every random generator (combined with the rank where ranks must differ), below 2**32."""
     run_dir: str = "runs/default"
@@ -140,6 +149,7 @@ class Config:
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
             "eager_mode": EAGER_MODES,
+            "schedule": SCHEDULES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -150,7 +160,16 @@ class Config:
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":
             raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
-        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners", "eager_sync_every")
+        positive = (
+            "batch_size",
+            "epochs",
+            "keep_checkpoints",
+            "autotune_interval",
+            "max_learners",
+            "eager_sync_every",
+            "pipeline_stages",
+            "micro_batches",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -173,6 +192,10 @@ class Config:
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
+        if self.micro_batches > self.batch_size:
+            raise ConfigError(f"--micro-batches {self.micro_batches} exceeds the --batch-size {self.batch_size}")
+        if self.pipeline_stages > 1 and self.learners == "auto":
+            raise ConfigError("--pipeline-stages needs a fixed number of --learners (pipelines per rank), not auto")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 < self.alpha <= 1:

@@ -84,14 +84,22 @@ class LearnerEngine:
         module = learners.modules[j]
         module.train()
         learners.grads[j].zero_()
-        inputs, targets = batch
-        with torch.autocast(inputs.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            loss = self.loss_fn(module(inputs), targets)
-        loss.backward()
+        loss = self.forward_backward(module, batch)
         if j not in learners.checked:
             assert learners.layout.grads_are_bound(module, learners.grads[j]), "autograd replaced a flat gradient view"
             learners.checked.add(j)
+        return loss
+
+    def forward_backward(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """Accumulate the gradient of the module's loss on the batch into its gradients; return the loss."""
+        inputs, targets = batch
+        with self.autocast(inputs.device.type):
+            loss = self.loss_fn(module(inputs), targets)
+        loss.backward()
         return loss.detach()
+
+    def autocast(self, device_type: str) -> torch.autocast:
+        return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def close(self) -> None:
         """Release worker resources."""

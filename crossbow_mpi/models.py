@@ -30,6 +30,11 @@ class LeNet(nn.Module):
         x = F.relu(self.fc1(x.flatten(1)))
         return self.fc2(x)
 
+    def pipeline_modules(self) -> list[nn.Module]:
+        """Return the modules that `forward` runs, in order (for pipeline stages)."""
+        pool = nn.MaxPool2d(kernel_size=2, stride=2)
+        return [self.conv1, pool, self.conv2, pool, nn.Flatten(), self.fc1, nn.ReLU(), self.fc2]
+
 
 class MLP(nn.Module):
     """Flatten, then fully connected layers with ReLU between them."""
@@ -45,6 +50,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+    def pipeline_modules(self) -> list[nn.Module]:
+        """Return the modules that `forward` runs, in order (for pipeline stages)."""
+        return list(self.layers)
 
 
 class _ZeroPadShortcut(nn.Module):
@@ -101,6 +110,10 @@ class CifarResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.blocks(F.relu(self.bn(self.conv(x))))
         return self.fc(x.mean(dim=(2, 3)))
+
+    def pipeline_modules(self) -> list[nn.Module]:
+        """Return the modules that `forward` runs, in order (for pipeline stages)."""
+        return [self.conv, self.bn, nn.ReLU(), *self.blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), self.fc]
 
 
 def _check_image_shape(name: str, input_shape: tuple[int, ...], square: bool) -> None:

@@ -4,6 +4,7 @@ which part of one model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from crossbow_mpi.comm import Communicator, MpiCommunicator
 
@@ -38,6 +39,29 @@ class Topology:
             data=data,
             group=data,
             stage=world.split(world.rank),
+            local_rank=local_rank,
+            local_size=local_size,
+        )
+
+    @classmethod
+    def pipeline(
+        cls,
+        world: MpiCommunicator,
+        stages: int,
+        data_comm: Callable[[object], Communicator],
+        local_rank: int,
+        local_size: int,
+    ) -> "Topology":
+        """Return the topology of world.size / stages pipelines, each on `stages` consecutive ranks: `stage` holds
+        one pipeline's ranks in stage order, `data` (built by `data_comm` from an MPI communicator) the ranks
+        that hold the same stage; ValueError when the stages do not divide the ranks."""
+        if world.size % stages:
+            raise ValueError(f"--pipeline-stages {stages} does not divide the {world.size} ranks")
+        return cls(
+            world=world,
+            data=data_comm(world.mpi_comm.Split(world.rank % stages, world.rank)),
+            group=world,
+            stage=world.split(world.rank // stages, world.rank),
             local_rank=local_rank,
             local_size=local_size,
         )

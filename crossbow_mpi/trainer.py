@@ -26,6 +26,7 @@ from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.metrics import summary_writer_class
+from crossbow_mpi.pipeline import build_pipeline
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
 
@@ -99,10 +100,18 @@ class Trainer:
         agree(world, lambda: check_engine(config.engine, self.device))
         self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
-        data = comm or agree(
-            world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
-        )
-        self.topology = Topology.data_parallel(world, data, local_rank, local_size)
+        if config.pipeline_stages > 1:
+            data_comm = (
+                MpiCommunicator if comm else lambda c: build_communicator(c, config.comm, self.device, config.hierarchy)
+            )
+            self.topology = agree(
+                world, lambda: Topology.pipeline(world, config.pipeline_stages, data_comm, local_rank, local_size)
+            )
+        else:
+            data = comm or agree(
+                world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
+            )
+            self.topology = Topology.data_parallel(world, data, local_rank, local_size)
 
     @property
     def comm(self) -> Communicator:
@@ -122,7 +131,11 @@ class Trainer:
         cfg, world = self.config, self.topology.world
         learners = 1 if cfg.learners == "auto" else cfg.learners
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
-        engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
+        if cfg.pipeline_stages > 1:
+            stage = self.topology.stage
+            model_fn, engine = agree(world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads))
+        else:
+            engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:

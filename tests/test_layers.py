@@ -16,8 +16,8 @@ LAYERS = {
     4: ["train", "export", "report"],
     3: ["trainer", "components", "run", "checkpoint"],
     2: ["algorithms", "tuner", "schedule"],
-    1: ["learners", "engines", "comm", "topology", "watchdog"],
-    0: ["data", "models", "flat", "runtime", "imbalance", "metrics", "config", "state"],
+    1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
+    0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state"],
 }
 """Each module (or package) of crossbow_mpi by layer; a new module must be placed here."""
 

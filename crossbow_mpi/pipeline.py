@@ -1,0 +1,217 @@
+"""Pipeline stages: each learner's model split over the consecutive ranks of the `stage` scope.
+
+Rank i of a stage scope holds stage i of every learner's model (a `PipelineStage`), so the learners, their flat
+buffers, the algorithm and checkpoints all work on that stage's shard and reduce over the `data` scope (the
+ranks that hold the same stage). The `PipelineEngine` cuts each learner's batch into micro-batches and runs them
+through the stages by a schedule (`gpipe` or `1f1b`); activations and their gradients travel between neighbouring
+stages as MPI point-to-point messages. The last stage owns the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from crossbow_mpi.comm import Communicator, MpiCommunicator
+from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, wait_sleeping
+from crossbow_mpi.config import ConfigError
+from crossbow_mpi.engines import LossFn, SequentialEngine
+from crossbow_mpi.learners import Learners
+from crossbow_mpi.stages import split_model
+
+ACTIVATION, GRADIENT = 1, 2
+"""Message tags: activations flow to the next stage, their gradients to the previous one."""
+
+
+class StageError(RuntimeError):
+    """Another stage of the pipeline failed on the same input; carries its message."""
+
+
+class StageLink:
+    """Point-to-point messages between the stages of one pipeline, on a private duplicate of the stage scope.
+
+    A tensor travels as bytes (a JSON header with dtype and shape, then the raw data), so any dtype and device
+    does; an exception travels as its message, so that every stage raises together instead of waiting. Sends
+    are non-blocking and complete at `flush`; receives poll, sleeping, so that a waiting rank leaves its core
+    to the ranks still computing. (On GPUs tensors are staged through host memory; NCCL send/recv is a
+    possible follow-up.)"""
+
+    def __init__(self, stage: Communicator):
+        self.comm = MpiCommunicator(stage.mpi_comm.Dup())
+        self.index, self.stages = self.comm.rank, self.comm.size
+        self.pending: list = []
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def send(self, value: torch.Tensor | Exception, dest: int, tag: int) -> None:
+        buffer = torch.frombuffer(bytearray(_encode(value)), dtype=torch.uint8).numpy()
+        self.pending.append((buffer, self.comm.mpi_comm.Isend(buffer, dest=dest, tag=tag)))
+
+    def recv(self, source: int, tag: int, device: torch.device) -> torch.Tensor:
+        """Return the next tensor from `source`; raise StageError when it sent an exception."""
+        mpi = Communicator.mpi()
+        status, poll = mpi.Status(), POLL_MIN_S
+        while not self.comm.mpi_comm.Iprobe(source=source, tag=tag, status=status):
+            time.sleep(poll)
+            poll = min(2 * poll, POLL_MAX_S)
+        buffer = bytearray(status.Get_count(mpi.BYTE))
+        self.comm.mpi_comm.Recv([buffer, mpi.BYTE], source=source, tag=tag)
+        return _decode(bytes(buffer), device)
+
+    def share_from_last(self, value: torch.Tensor | Exception, device: torch.device) -> torch.Tensor:
+        """Return the last stage's value on every stage (collective); raise StageError when it is an exception."""
+        return _decode(self.comm.bcast_bytes(_encode(value) if self.last else None, root=self.stages - 1), device)
+
+    def flush(self) -> None:
+        """Complete the sends in flight."""
+        wait_sleeping([request for _, request in self.pending])
+        self.pending = []
+
+    def run_through(self, body: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """Run a forward pass of the whole pipeline without autograd bookkeeping (collective over the stages):
+        stage 0 takes `inputs`, each stage passes its output on; return the last stage's output on every stage."""
+        try:
+            x = inputs if self.first else self.recv(self.index - 1, ACTIVATION, inputs.device)
+            y = body(x)
+        except (RuntimeError, ValueError, IndexError) as err:
+            y = err
+        if not self.last:
+            self.send(y, self.index + 1, ACTIVATION)
+        self.flush()
+        return self.share_from_last(y, inputs.device)
+
+
+class PipelineStage(nn.Module):
+    """This rank's stage of a model: in training mode its own modules; in evaluation mode the whole pipeline's
+    forward pass (collective over the stage scope), returning the model's output on every stage, so that
+    evaluation and the dataset checks run unchanged."""
+
+    def __init__(self, modules: list[nn.Module], link: StageLink):
+        super().__init__()
+        self.body = nn.Sequential(*modules)
+        self.link = link
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.body(x)
+        return self.link.run_through(self.body, x)
+
+
+def schedule_ops(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Return stage's order of forward ("F", i) and backward ("B", i) passes over the micro-batches: `gpipe`
+    runs every forward pass, then every backward pass; `1f1b` runs stages - stage - 1 forward passes, then
+    alternates one forward and one backward pass, so that a stage holds at most stages - stage activations."""
+    n = micro_batches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(n)] + [("B", i) for i in range(n)]
+    assert schedule == "1f1b", schedule
+    warmup = min(stages - stage - 1, n)
+    ops = [("F", i) for i in range(warmup)]
+    for i in range(n - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    return ops + [("B", i) for i in range(n - warmup, n)]
+
+
+class PipelineEngine(SequentialEngine):
+    """Run each learner's pipeline in turn: its batch in micro-batches through the stages by the schedule.
+
+    Each micro-batch's loss is scaled by its share of the batch, so that the gradients summed over the
+    micro-batches are those of the whole batch's mean loss. The losses are the last stage's, given to every stage.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, loss_fn: LossFn, threads: int, link: StageLink, micro_batches: int, schedule: str, precision):
+        super().__init__(loss_fn, threads, precision)
+        self.link = link
+        self.micro_batches = micro_batches
+        self.ops = schedule_ops(schedule, link.index, link.stages, micro_batches)
+
+    def compute_gradients(self, learners: Learners, batches) -> torch.Tensor:
+        losses = super().compute_gradients(learners, batches)
+        return self.link.share_from_last(losses, losses.device)
+
+    def forward_backward(self, module: PipelineStage, batch) -> torch.Tensor:
+        inputs, targets = batch
+        micro = list(
+            zip(torch.tensor_split(inputs, self.micro_batches), torch.tensor_split(targets, self.micro_batches))
+        )
+        held, losses = {}, []
+        for op, i in self.ops:
+            if op == "F":
+                held[i] = self._forward(module.body, *micro[i], share=len(micro[i][1]) / len(targets))
+                losses.append(held[i][1].detach())
+            else:
+                self._backward(*held.pop(i))
+        self.link.flush()
+        return torch.stack(losses).sum() if self.link.last else torch.zeros((), device=inputs.device)
+
+    def _forward(self, body: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, share: float):
+        link = self.link
+        x = inputs if link.first else link.recv(link.index - 1, ACTIVATION, inputs.device).requires_grad_()
+        with self.autocast(inputs.device.type):
+            y = body(x)
+            if link.last:
+                return x, self.loss_fn(y, targets) * share
+        link.send(y.detach(), link.index + 1, ACTIVATION)
+        return x, y
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        link = self.link
+        y.backward(None if link.last else link.recv(link.index + 1, GRADIENT, y.device))
+        if not link.first:
+            link.send(x.grad, link.index - 1, GRADIENT)
+
+    def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
+        """Sum the value over the stages, so that a non-finite value on any stage is seen by every stage."""
+        value = self.link.comm.allreduce_sum_numbers([float(compute())])[0]
+        return lambda: value
+
+
+def build_pipeline(
+    model_fn: Callable[[], object], stage: Communicator, config, loss_fn: LossFn, threads: int
+) -> tuple[Callable[[], PipelineStage], PipelineEngine]:
+    """Return this rank's stage builder and the pipeline engine (collective over the stage scope); ValueError when
+    the model cannot be split into the stages."""
+    if config.engine not in ("auto", "sequential"):
+        raise ConfigError("--pipeline-stages runs the learners' pipelines one after another: use --engine auto")
+    link = StageLink(stage)
+
+    def stage_fn() -> PipelineStage:
+        return PipelineStage(split_model(model_fn(), link.stages)[link.index], link)
+
+    split_model(model_fn(), link.stages)
+    engine = PipelineEngine(loss_fn, threads, link, config.micro_batches, config.schedule, config.precision)
+    return stage_fn, engine
+
+
+def _encode(value: torch.Tensor | Exception) -> bytes:
+    if isinstance(value, Exception):
+        header, raw = {"error": str(value).strip() or type(value).__name__}, b""
+    else:
+        tensor = value.detach().contiguous().cpu()
+        header = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(4, "little") + text + raw
+
+
+def _decode(data: bytes, device: torch.device) -> torch.Tensor:
+    size = int.from_bytes(data[:4], "little")
+    header = json.loads(data[4 : 4 + size])
+    if "error" in header:
+        raise StageError(header["error"])
+    dtype, raw = getattr(torch, header["dtype"]), bytearray(data[4 + size :])
+    if not raw:
+        return torch.empty(header["shape"], dtype=dtype, device=device)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(header["shape"]).to(device)
