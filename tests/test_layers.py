@@ -13,11 +13,11 @@ from conftest import REPO
 
 PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
-    4: ["train", "export", "report"],
+    4: ["train", "export", "report", "plan"],
     3: ["trainer", "components", "run", "checkpoint"],
     2: ["algorithms", "tuner", "schedule"],
     1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
-    0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state"],
+    0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state", "projection"],
 }
 """Each module (or package) of crossbow_mpi by layer; a new module must be placed here."""
 

@@ -1,0 +1,375 @@
+"""Planner: `python -m crossbow_mpi.plan`: project data parallelism against hybrid pipelines up to 1024 devices.
+
+Measures on this machine what the model in `projection` needs (the model's forward+backward per sample, whole
+and per stage, its activation sizes, and an α-β fit of the allreduce from a sweep of message sizes under
+mpirun), reads E(B) from a stat-efficiency results file, prints SU_DP(N) and SU_hybrid(N, M) and writes a plot.
+`--validate` trains at the sizes that run here and compares the measured time per step with the projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from crossbow_mpi import projection
+from crossbow_mpi.projection import EpochCurve, Network, Workload
+
+INPUT_SHAPES = {"lenet": (1, 28, 28), "mlp": (1, 28, 28), "resnet32": (3, 32, 32)}
+STAGES = (1, 2, 4, 8)
+VALIDATION = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
+"""(N ranks, M stages) that run on a small machine."""
+EFFICIENCY_FILE = Path("benchmarks/results/stat_efficiency.json")
+WORKER = "--allreduce-worker"
+"""argv[1] of the ranks of the allreduce sweep."""
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m crossbow_mpi.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="lenet", choices=sorted(INPUT_SHAPES))
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per worker per step (default: 16)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per pipeline step (default: 4)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the allreduce sweep (default: 2)")
+    parser.add_argument("--bandwidth", type=float, help="a given network's bandwidth in Gb/s instead of the sweep")
+    parser.add_argument("--latency", type=float, help="a given network's latency in µs (with --bandwidth)")
+    parser.add_argument(
+        "--efficiency", type=Path, help=f"stat-efficiency results for E(B) (default: {EFFICIENCY_FILE} if present)"
+    )
+    parser.add_argument("--max-devices", type=int, default=1024, help="largest N projected (default: 1024)")
+    parser.add_argument("--validate", action="store_true", help="train at N = 2, 4 and M = 1, 2, 4; report errors")
+    parser.add_argument("--quick", action="store_true", help="tiny measurements: check that it runs")
+    parser.add_argument("--out", type=Path, default=Path("plan"), help="directory for plan.json and plan.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check(args)
+        plan(args)
+    except (ValueError, PlanError) as err:
+        print(f"crossbow_mpi.plan: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+class PlanError(RuntimeError):
+    """A measurement job failed; carries the end of its output."""
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.batch_size < 1 or not 1 <= args.micro_batches <= args.batch_size:
+        raise ValueError(f"need 1 <= --micro-batches <= --batch-size, got {args.micro_batches} and {args.batch_size}")
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be at least 2 for the allreduce sweep, got {args.ranks}")
+    if args.max_devices < 1:
+        raise ValueError(f"--max-devices must be at least 1, got {args.max_devices}")
+    if (args.bandwidth is None) != (args.latency is None):
+        raise ValueError("give --bandwidth and --latency together")
+    if args.efficiency is not None and not args.efficiency.is_file():
+        raise ValueError(f"--efficiency {args.efficiency}: no such file")
+
+
+def plan(args: argparse.Namespace) -> None:
+    work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 20)
+    measured = sweep_allreduce(args.ranks, args.quick)
+    network = Network.from_link(args.bandwidth, args.latency) if args.bandwidth is not None else measured
+    curve, curve_source = epoch_curve(args.efficiency)
+    devices = [2**i for i in range(args.max_devices.bit_length()) if 2**i <= args.max_devices]
+    cells = projection.project(work, network, curve, devices, list(STAGES))
+    print(describe(args, work, measured, network, curve, curve_source))
+    print(table(cells))
+    record = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "micro_batches": args.micro_batches,
+        "sample_s": work.sample_s,
+        "param_bytes": work.param_bytes,
+        "measured_network": vars(measured),
+        "network": vars(network),
+        "epoch_curve": {**vars(curve), "source": curve_source},
+        "projection": [vars(cell) for cell in cells],
+    }
+    if args.validate:
+        rows = validate(args, work, measured)
+        print(validation_table(rows))
+        record["validation"] = rows
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plan.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(cells, args.out / "plan.png", f"{args.model}, batch {args.batch_size} per worker")
+    print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
+
+
+def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int) -> Workload:
+    """Time the model's forward+backward at `batch` on one thread, and each stage's at the micro-batch, for every
+    M in STAGES the model can be split into."""
+    import torch
+    from torch import nn
+
+    from crossbow_mpi.models import build_model
+    from crossbow_mpi.stages import split_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    model = build_model(model_name, INPUT_SHAPES[model_name], 10)
+    loss_fn = nn.CrossEntropyLoss()
+    micro = max(1, batch // micro_batches)
+
+    def fwd_bwd_s(module: nn.Module, inputs: torch.Tensor, last: bool) -> tuple[float, torch.Tensor]:
+        def once() -> torch.Tensor:
+            x = inputs.detach().requires_grad_(inputs.is_floating_point())
+            y = module(x)
+            (loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()).backward()
+            return y.detach()
+
+        y = once()
+        times = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), y
+
+    whole_s, _ = fwd_bwd_s(model, torch.randn(batch, *INPUT_SHAPES[model_name]), last=True)
+    stages = {}
+    for m in STAGES[1:]:
+        try:
+            groups = split_model(model, m)
+        except ValueError:
+            continue
+        x, stage_s, cut_bytes, stage_bytes = torch.randn(micro, *INPUT_SHAPES[model_name]), [], [], []
+        for index, group in enumerate(groups):
+            seconds, x = fwd_bwd_s(nn.Sequential(*group), x, last=index == m - 1)
+            stage_s.append(seconds / micro)
+            stage_bytes.append(sum(p.numel() * p.element_size() for g in group for p in g.parameters()))
+            if index < m - 1:
+                cut_bytes.append(x[0].numel() * x.element_size())
+        stages[m] = (stage_s, cut_bytes, stage_bytes)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Workload(
+        batch, whole_s / batch, param_bytes, stages, micro_batches, update_s(param_bytes, reps) / param_bytes
+    )
+
+
+def update_s(nbytes: int, reps: int) -> float:
+    """Time an SGD step with momentum and weight decay on `nbytes` of float32 parameters."""
+    import torch
+
+    params, grads, momentum = (torch.randn(nbytes // 4) for _ in range(3))
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        grads.add_(params, alpha=5e-4)
+        momentum.mul_(0.9).add_(grads)
+        params.add_(momentum, alpha=-0.01)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def sweep_allreduce(ranks: int, quick: bool) -> Network:
+    """Time float32 allreduces of growing sizes on `ranks` ranks under mpirun; return the ring model's α-β fit."""
+    sizes = [4**i for i in range(1, 9 if quick else 11)]
+    with tempfile.TemporaryDirectory(prefix="plan-") as tmp:
+        result = Path(tmp) / "result.json"
+        mpirun(ranks, ["-m", "crossbow_mpi.plan", WORKER, json.dumps(sizes), "5" if quick else "30", str(result)], 300)
+        seconds = json.loads(result.read_text())
+    return projection.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
+
+
+def allreduce_worker(sizes: list[int], calls: int, result: Path) -> None:
+    """On every rank: time `calls` allreduces of each size (float32) on the slowest rank; rank 0 writes the
+    median per call of each size."""
+    import numpy as np
+
+    from crossbow_mpi import runtime
+
+    runtime.install_abort_on_failure()
+    MPI = runtime.mpi()
+    comm = MPI.COMM_WORLD
+    seconds = []
+    for size in sizes:
+        buffer, loops = np.ones(size, dtype=np.float32), []
+        comm.Allreduce(MPI.IN_PLACE, buffer)
+        for _ in range(5):
+            comm.Barrier()
+            started = time.perf_counter()
+            for _ in range(calls):
+                comm.Allreduce(MPI.IN_PLACE, buffer)
+            elapsed = np.array([(time.perf_counter() - started) / calls])
+            comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
+            loops.append(float(elapsed[0]))
+        seconds.append(statistics.median(loops))
+    if comm.Get_rank() == 0:
+        result.write_text(json.dumps(seconds))
+
+
+def mpirun(ranks: int, args: list[str], timeout: float) -> None:
+    """Run `python ARGS` on `ranks` ranks under a timeout; raise PlanError with the output's end if it fails."""
+    launcher = Path(sys.executable).parent / "mpirun"
+    command = [
+        "timeout",
+        "--kill-after=10",
+        str(int(timeout)),
+        str(launcher) if launcher.exists() else shutil.which("mpirun") or "mpirun",
+        "-n",
+        str(ranks),
+        "--oversubscribe",
+        sys.executable,
+        *args,
+    ]
+    done = subprocess.run(command, env={**os.environ, **MPI_ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PlanError(f"{' '.join(args[:2])} on {ranks} ranks exited {done.returncode}: {done.stderr[-300:]}")
+
+
+def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
+    """Fit E(B) to the S-SGD runs of a stat-efficiency results file that reached the target; default without."""
+    path = path or (EFFICIENCY_FILE if EFFICIENCY_FILE.is_file() else None)
+    if path is None:
+        return projection.DEFAULT_EPOCHS, "default (no stat-efficiency results)"
+    try:
+        rows = [row for row in json.loads(path.read_text())["rows"] if row.get("epochs") is not None]
+        points = [(row["aggregate"], row["epochs"]) for row in rows if row.get("algorithm", "ssgd") == "ssgd"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a stat-efficiency results file ({err})") from err
+    return projection.fit_epochs([b for b, _ in points], [e for _, e in points]), str(path)
+
+
+def describe(args, work: Workload, measured: Network, network: Network, curve: EpochCurve, source: str) -> str:
+    given = f"given: {args.bandwidth:g} Gb/s, {args.latency:g} µs" if args.bandwidth is not None else "the fit"
+    return (
+        f"{args.model}: {work.sample_s * 1e3:.3f} ms forward+backward per sample (1 thread), "
+        f"{work.param_bytes / 1e6:.2f} MB of parameters; batch {work.batch} per worker, "
+        f"{work.micro_batches} micro-batches\n"
+        f"allreduce fit on {args.ranks} ranks: α = {measured.latency_s * 1e6:.1f} µs, "
+        f"{gbit_per_s(measured):.3g} Gb/s; projected with {given}\n"
+        f"E(B) = {curve.min_epochs:.3g}·(1 + B/{curve.noise_batch:.0f}) from {source}\n"
+        "hybrid beats DP where SU_hybrid(N, M) > SU_DP(N); Pal et al.'s criterion: SU_MP(M) > SU_DP(N)/SU_DP(N/M)"
+    )
+
+
+def gbit_per_s(network: Network) -> float:
+    return 8e-9 / network.seconds_per_byte if network.seconds_per_byte else float("inf")
+
+
+def table(cells: list[projection.Projection]) -> str:
+    """One row per N: SU_DP, then SU_hybrid for each M with the ratio to DP and Pal et al.'s criterion."""
+    by_devices: dict[int, dict[int, projection.Projection]] = {}
+    for cell in cells:
+        by_devices.setdefault(cell.devices, {})[cell.stages] = cell
+    header = f"{'N':>5} {'SU_DP':>9}" + "".join(
+        f" {'SU_hyb M=' + str(m):>13} {'vs DP':>6} {'Pal':>3}" for m in STAGES[1:]
+    )
+    lines = [header]
+    for n, row in by_devices.items():
+        dp = row[1].speedup
+        line = f"{n:>5} {dp:>9.3g}"
+        for m in STAGES[1:]:
+            cell = row.get(m)
+            line += (
+                f" {cell.speedup:>13.3g} {cell.speedup / dp:>6.2f} {'yes' if cell.pal_criterion else 'no':>3}"
+                if cell
+                else f" {'-':>13} {'':>6} {'':>3}"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def validate(args: argparse.Namespace, work: Workload, network: Network) -> list[dict]:
+    """Train S-SGD through the CLI at each VALIDATION size and compare the time per step with the projection
+    (compute slowed by ranks/cores where the ranks outnumber this machine's cores)."""
+    cores = os.cpu_count() or 1
+    samples = 2000 if args.quick else 20000
+    rows = []
+    for n, m in VALIDATION[:2] if args.quick else VALIDATION:
+        if m > 1 and m not in work.stages:
+            continue
+        aggregate = n // m * args.batch_size
+        with tempfile.TemporaryDirectory(prefix="plan-run-") as run_dir:
+            flags = {
+                "algorithm": "ssgd",
+                "model": args.model,
+                "learners": 1,
+                "batch-size": args.batch_size,
+                "pipeline-stages": m,
+                "micro-batches": args.micro_batches if m > 1 else 1,
+                "threads": 1,
+                "epochs": samples / 60000,
+                "eval-every": samples // 2,
+                "target-accuracy": 0,
+                "run-dir": run_dir,
+            }
+            mpirun(n, ["-m", "crossbow_mpi.train", *[f"--{k}={v}" for k, v in flags.items()]], 600)
+            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        rate = [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]
+        measured = aggregate / rate
+        slowdown = max(1.0, n / cores)
+        busy = dataclasses.replace(
+            work,
+            sample_s=work.sample_s * slowdown,
+            update_s_per_byte=work.update_s_per_byte * slowdown,
+            stages=_slowed(work, slowdown),
+        )
+        projected = projection.hybrid_step_s(busy, n, m, network)
+        rows.append(
+            {
+                "ranks": n,
+                "stages": m,
+                "measured_step_ms": measured * 1e3,
+                "projected_step_ms": projected * 1e3,
+                "error": projected / measured - 1,
+            }
+        )
+    return rows
+
+
+def _slowed(work: Workload, factor: float) -> dict:
+    return {m: ([s * factor for s in stage_s], cuts, sizes) for m, (stage_s, cuts, sizes) in work.stages.items()}
+
+
+def validation_table(rows: list[dict]) -> str:
+    lines = [
+        "validation (S-SGD through the CLI, this machine):",
+        f"{'N':>3} {'M':>3} {'measured':>9} {'projected':>9} {'error':>7}",
+    ]
+    lines += [
+        f"{r['ranks']:>3} {r['stages']:>3} {r['measured_step_ms']:>7.2f}ms {r['projected_step_ms']:>7.2f}ms "
+        f"{r['error']:>+7.1%}"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def plot(cells: list[projection.Projection], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    for m in STAGES:
+        mine = [c for c in cells if c.stages == m]
+        if mine:
+            label = "DP" if m == 1 else f"hybrid M={m}"
+            axes.plot([c.devices for c in mine], [c.speedup for c in mine], marker="o", label=label)
+    axes.set(xscale="log", yscale="log", xlabel="devices N", ylabel="speedup in time to target", title=title)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [WORKER]:
+        allreduce_worker(json.loads(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    else:
+        sys.exit(main())

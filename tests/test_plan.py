@@ -1,0 +1,135 @@
+"""The planner: its model's formulas against hand-computed values, its projection's shape, and its CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from crossbow_mpi import plan, projection
+from crossbow_mpi.projection import EpochCurve, Network, Workload
+
+from conftest import REPO
+
+FREE = Network(0.0, 0.0)
+
+
+def test_ring_allreduce_and_send_costs():
+    network = Network(1e-5, 1e-9)
+    assert network.allreduce_s(1e6, 4) == pytest.approx(6e-5 + 1.5e-3)  # 2(P-1)α + 2(P-1)/P·n·β
+    assert network.allreduce_s(1e6, 1) == 0.0
+    assert network.send_s(1e3) == pytest.approx(1e-5 + 1e-6)
+    assert network.send_s(0) == 0.0
+
+
+def test_a_link_in_gbit_per_s_and_microseconds():
+    infiniband = Network.from_link(100, 1)
+    assert infiniband.seconds_per_byte == pytest.approx(8e-11) and infiniband.latency_s == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="--bandwidth"):
+        Network.from_link(0, 1)
+
+
+def test_the_allreduce_fit_recovers_alpha_and_beta():
+    truth = Network(2e-5, 3e-10)
+    sizes = [4.0**i for i in range(2, 10)]
+    fitted = projection.fit_ring_allreduce(sizes, [truth.allreduce_s(n, 4) for n in sizes], 4)
+    assert fitted.latency_s == pytest.approx(2e-5) and fitted.seconds_per_byte == pytest.approx(3e-10)
+    with pytest.raises(ValueError):
+        projection.fit_ring_allreduce([8.0, 8.0], [1.0, 1.0], 2)
+
+
+def test_pipeline_bubble_and_step():
+    assert projection.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert projection.bubble_fraction(1, 8) == 0
+    # 4 micro-batches of 2 samples through 2 stages: 5 slots of the slower stage's 2 × 2 ms
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE) == pytest.approx(5 * 4e-3)
+    # each slot also sends an activation and its gradient: 2 × α
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(1e-4, 0)) == pytest.approx(5 * 4.2e-3)
+
+
+def test_epoch_curve_fit_and_speedup():
+    curve = projection.fit_epochs([16, 64, 256], [2 * (1 + b / 100) for b in (16, 64, 256)])
+    assert curve.min_epochs == pytest.approx(2) and curve.noise_batch == pytest.approx(100)
+    # E(25)/E(100) = 1.25/2, four workers at the same step time
+    assert projection.speedup(4, 25, 1.0, 1.0, EpochCurve(1, 100)) == pytest.approx(0.625 * 4)
+    with pytest.raises(ValueError, match="does not grow"):
+        projection.fit_epochs([16, 64], [5, 3])
+
+
+def workload(batch=16, micro_batches=4) -> Workload:
+    return Workload(
+        batch=batch,
+        sample_s=1e-3,
+        param_bytes=4_000_000,
+        stages={2: ([5.5e-4, 5.5e-4], [4000], [2_000_000, 2_000_000])},
+        micro_batches=micro_batches,
+        update_s_per_byte=1e-10,
+    )
+
+
+def test_a_free_network_and_no_efficiency_loss_scale_linearly():
+    cells = projection.project(workload(), FREE, EpochCurve(1, math.inf), [1, 2, 8, 1024], [1])
+    assert [c.speedup for c in cells] == pytest.approx([1, 2, 8, 1024])
+
+
+def test_hybrid_overtakes_dp_as_the_allreduce_and_the_batch_grow():
+    network = Network(5e-6, 1e-9)
+    cells = projection.project(workload(), network, EpochCurve(1, 256), [2**i for i in range(11)], [1, 2])
+    dp = {c.devices: c.speedup for c in cells if c.stages == 1}
+    hybrid = {c.devices: c for c in cells if c.stages == 2}
+    steps = [c.step_s for c in cells if c.stages == 1]
+    assert steps == sorted(steps), "a DP step cannot get cheaper with more devices"
+    ratios = [hybrid[n].speedup / dp[n] for n in sorted(hybrid) if n >= 4]
+    assert ratios == sorted(ratios), "once both allreduce, hybrid's advantage grows with N"
+    assert ratios[0] < 1 < ratios[-1]
+    # one device: 16 samples + the update; M = 2: 5 slots of 4 samples and two 16 kB messages, + half the update
+    assert hybrid[2].mp_speedup == pytest.approx((16e-3 + 4e-4) / (5 * (4 * 5.5e-4 + 2 * (5e-6 + 1.6e-5)) + 2e-4))
+    assert not hybrid[2].pal_criterion and hybrid[1024].pal_criterion
+
+
+def test_the_efficiency_file_gives_the_ssgd_runs_that_reached_the_target(tmp_path):
+    rows = [
+        {"algorithm": "ssgd", "aggregate": 16, "epochs": 3.0},
+        {"algorithm": "sma", "aggregate": 16, "epochs": 9.0},
+        {"algorithm": "ssgd", "aggregate": 64, "epochs": 6.0},
+        {"algorithm": "ssgd", "aggregate": 1024, "epochs": None},
+    ]
+    (tmp_path / "eff.json").write_text(json.dumps({"rows": rows}))
+    curve, _ = plan.epoch_curve(tmp_path / "eff.json")
+    assert curve.epochs(16) == pytest.approx(3) and curve.epochs(64) == pytest.approx(6)
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a stat-efficiency"):
+        plan.epoch_curve(tmp_path / "bad.json")
+
+
+def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "crossbow_mpi.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--micro-batches", "32"], "--micro-batches"),
+        (["--bandwidth", "100"], "together"),
+        (["--ranks", "1"], "--ranks"),
+        (["--efficiency", "/nonexistent.json"], "no such file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    done = run_plan(*args, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_quick_plan_projects_validates_and_plots(tmp_path):
+    done = run_plan("--quick", "--validate", "--bandwidth", "100", "--latency", "1", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = json.loads((tmp_path / "plan.json").read_text())
+    cells = {(c["devices"], c["stages"]) for c in record["projection"]}
+    assert {(1, 1), (1024, 1), (1024, 2), (1024, 4)} <= cells
+    assert [(r["ranks"], r["stages"]) for r in record["validation"]] == [(2, 1), (2, 2)]
+    assert all(r["measured_step_ms"] > 0 and r["projected_step_ms"] > 0 for r in record["validation"])
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    assert "SU_MP(M) > SU_DP(N)/SU_DP(N/M)" in done.stdout
