@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "${CROSSBOW_VENV:-$root/.venv}/bin/activate"
 cd "$root"
-for name in tta stat_efficiency eager throughput sync_cost overhead hw_limit; do
+for name in tta stat_efficiency eager throughput sync_cost overhead hw_limit hybrid; do
     echo "== $name"
     python -m "benchmarks.$name" "$@"
 done
