@@ -253,7 +253,9 @@ def describe(args, work: Workload, measured: Network, network: Network, curve: E
         f"allreduce fit on {args.ranks} ranks: α = {measured.latency_s * 1e6:.1f} µs, "
         f"{gbit_per_s(measured):.3g} Gb/s; projected with {given}\n"
         f"E(B) = {curve.min_epochs:.3g}·(1 + B/{curve.noise_batch:.0f}) from {source}\n"
-        "hybrid beats DP where SU_hybrid(N, M) > SU_DP(N); Pal et al.'s criterion: SU_MP(M) > SU_DP(N)/SU_DP(N/M)"
+        "hybrid beats DP where SU_hybrid(N, M) > SU_DP(N) (vs DP > 1); Pal et al.'s criterion (column Pal): "
+        "SU_MP(M) > SU_DP(N)/SU_DP(N/M), which charges hybrid the allreduce of the whole model at N/M ranks, "
+        "not of one stage's shard, so it can say no where vs DP > 1"
     )
 
 
@@ -322,6 +324,7 @@ def validate(args: argparse.Namespace, work: Workload, network: Network) -> list
         projected = projection.hybrid_step_s(busy, n, m, network)
         rows.append(
             {
+                "load_average": os.getloadavg()[0],
                 "ranks": n,
                 "stages": m,
                 "measured_step_ms": measured * 1e3,
@@ -337,8 +340,11 @@ def _slowed(work: Workload, factor: float) -> dict:
 
 
 def validation_table(rows: list[dict]) -> str:
+    if not rows:
+        return "validation: no size of the model runs here"
     lines = [
-        "validation (S-SGD through the CLI, this machine):",
+        f"validation (S-SGD through the CLI, this machine, {os.cpu_count()} cores; load average "
+        f"{min(r['load_average'] for r in rows):.1f} to {max(r['load_average'] for r in rows):.1f}):",
         f"{'N':>3} {'M':>3} {'measured':>9} {'projected':>9} {'error':>7}",
     ]
     lines += [
