@@ -100,7 +100,7 @@ def plan(args: argparse.Namespace) -> None:
         "projection": [vars(cell) for cell in cells],
     }
     if args.validate:
-        rows = validate(args, work, measured)
+        rows = validate(args)
         print(validation_table(rows))
         record["validation"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
@@ -286,15 +286,18 @@ def table(cells: list[projection.Projection]) -> str:
     return "\n".join(lines)
 
 
-def validate(args: argparse.Namespace, work: Workload, network: Network) -> list[dict]:
+def validate(args: argparse.Namespace) -> list[dict]:
     """Train S-SGD through the CLI at each VALIDATION size and compare the time per step with the projection
-    (compute slowed by ranks/cores where the ranks outnumber this machine's cores)."""
+    from the compute and the allreduce at N ranks measured just before (compute slowed by ranks/cores where
+    the ranks outnumber this machine's cores), so that both see the machine's load of the moment."""
     cores = os.cpu_count() or 1
     samples = 2000 if args.quick else 20000
     rows = []
     for n, m in VALIDATION[:2] if args.quick else VALIDATION:
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 10)
         if m > 1 and m not in work.stages:
             continue
+        network = sweep_allreduce(n, quick=True)
         aggregate = n // m * args.batch_size
         with tempfile.TemporaryDirectory(prefix="plan-run-") as run_dir:
             flags = {
@@ -330,6 +333,9 @@ def validate(args: argparse.Namespace, work: Workload, network: Network) -> list
                 "measured_step_ms": measured * 1e3,
                 "projected_step_ms": projected * 1e3,
                 "error": projected / measured - 1,
+                "sample_ms": work.sample_s * 1e3,
+                "allreduce_alpha_us": network.latency_s * 1e6,
+                "allreduce_s_per_byte": network.seconds_per_byte,
             }
         )
     return rows
