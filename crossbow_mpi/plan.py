@@ -228,7 +228,10 @@ def mpirun(ranks: int, args: list[str], timeout: float) -> None:
     ]
     done = subprocess.run(command, env={**os.environ, **MPI_ENV}, capture_output=True, text=True)
     if done.returncode != 0:
-        raise PlanError(f"{' '.join(args[:2])} on {ranks} ranks exited {done.returncode}: {done.stderr[-300:]}")
+        raise PlanError(
+            f"{' '.join(args[:2])} on {ranks} ranks exited {done.returncode}: "
+            + " | ".join(done.stderr[-300:].splitlines())
+        )
 
 
 def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
