@@ -102,14 +102,27 @@ def node_placement(comm, environ=os.environ) -> tuple[int, int, int]:
         allowed[mine] = 1
         sharing = np.empty_like(allowed)
         node.Allreduce(allowed, sharing, op=MPI.SUM)
+        claimed = np.array([_launcher_local_rank(environ)], dtype=np.int64)
+        claims = np.empty(local_size, dtype=np.int64)
+        node.Allgather(claimed, claims)
     finally:
         node.Free()
-    warn_on_local_rank_disagreement(local_rank, environ)
+    if (claims >= 0).any() and sorted(claims.tolist()) != list(range(local_size)):
+        warn_on_local_rank_disagreement(local_rank, environ)
     return local_rank, local_size, max(1, int(sum(1 / sharing[cpu] for cpu in mine) + 1e-9))
 
 
+def _launcher_local_rank(environ) -> int:
+    """Return the local rank the launcher's variable gives this process, or -1."""
+    launcher = launcher_variables(environ)
+    name = next((name for name in launcher[1] if name in environ), None) if launcher else None
+    return int(environ[name]) if name is not None and environ[name].isdigit() else -1
+
+
 def warn_on_local_rank_disagreement(local_rank: int, environ=os.environ) -> None:
-    """Name the launcher's local-rank variable when it disagrees with MPI's placement of this rank."""
+    """Name the launcher's local-rank variable when it disagrees with MPI's placement of this rank (called when the
+    node's ranks do not claim distinct local ranks 0…n−1, e.g. an inherited SLURM_LOCALID=0; a launcher that
+    numbers the node's ranks in another order than MPI is not a problem)."""
     launcher = launcher_variables(environ)
     for name in launcher[1] if launcher else ():
         if name in environ and environ[name] != str(local_rank):

@@ -39,7 +39,7 @@ class HierarchicalCommunicator(MpiCommunicator):
         MPI = self.mpi()
         leaders = mpi_comm.Split(0 if self.node.rank == 0 else MPI.UNDEFINED, self.rank)
         self.leaders = MpiCommunicator(leaders) if leaders != MPI.COMM_NULL else None
-        self.nodes = int(mpi_comm.allreduce(int(self.leaders is not None)))
+        self.nodes = int(self.allreduce_sum_numbers([float(self.leaders is not None)])[0])
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         MPI = self.mpi()
