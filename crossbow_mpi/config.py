@@ -34,7 +34,8 @@ class Config:
     """Everything that defines a run. Same config and seed give the same bits."""
 
     algorithm: str = "sma"
-    """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD) or `eager` (eager-SGD)."""
+    """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD), `eager` (eager-SGD) or
+    `omnivore` (compute groups, asynchronous across groups)."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
     dataset: str = "mnist"
@@ -72,6 +73,9 @@ class Config:
     """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
     eager_sync_every: int = 32
     """eager-SGD: run a fully synchronous round at least every this many rounds (bounds staleness)."""
+    groups: int | str = 1
+    """Omnivore: compute groups of P/G consecutive ranks each (G must divide the ranks P); a group steps
+    synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous."""
     lr_steps: tuple[float, ...] = ()
     """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
     lr_gamma: float = 0.1
@@ -145,6 +149,7 @@ class Config:
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":
             raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
+        self._validate_groups()
         positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners", "eager_sync_every")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -180,6 +185,16 @@ class Config:
             summary_writer_class()
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
+
+    def _validate_groups(self) -> None:
+        if self.groups == "auto" and self.learners == "auto":
+            raise ConfigError("--groups auto and --learners auto cannot be combined: fix one of them")
+        if self.groups == "auto":
+            raise ConfigError("--groups auto (the Omnivore optimizer) is not available yet: give a number of groups")
+        if not (isinstance(self.groups, int) and self.groups > 0):
+            raise ConfigError(f"--groups must be a positive number, got {self.groups}")
+        if self.groups != 1 and self.algorithm != "omnivore":
+            raise ConfigError(f"--groups applies to --algorithm omnivore only, not {self.algorithm}")
 
     def to_json(self) -> str:
         """Return the configuration as JSON, with `resume` false: replayed in a new directory, it runs the same

@@ -97,7 +97,10 @@ class Trainer:
         self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         data = comm or agree(world, lambda: build_communicator(world.mpi_comm, config.comm, self.device))
-        self.topology = Topology.data_parallel(world, data, local_rank, local_size)
+        if config.algorithm == "omnivore":
+            self.topology = Topology.grouped(world, data, config.groups, local_rank, local_size)
+        else:
+            self.topology = Topology.data_parallel(world, data, local_rank, local_size)
 
     @property
     def comm(self) -> Communicator:
