@@ -52,7 +52,7 @@ class ModelServer(Communicator):
         self.apply: Apply | None = None
         self.lock = threading.Lock()
         self.version = 0
-        """On the server's rank: updates applied since the start of the run."""
+        """Updates applied since the start of the run (on the server's rank; elsewhere as of the last `meet`)."""
         self.updates = np.zeros(groups, np.int64)
         """On the server's rank: updates applied per group since the start of the run."""
         self.thread: threading.Thread | None = None
@@ -129,7 +129,7 @@ class ModelServer(Communicator):
                     out.copy_(held)
         for out in outs:
             self.data.broadcast_(out, SERVER_RANK)
-        self.read_version = self.data.bcast_json(self.version if self.data.rank == SERVER_RANK else None)
+        self.version = self.read_version = self.data.bcast_json(self.version)
 
     def stop(self) -> None:
         """Stop the server thread (after `meet`: no message is in flight); the next exchange of group 0 restarts it."""
