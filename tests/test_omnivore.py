@@ -4,8 +4,6 @@ starves, staleness statistics in every evaluation record, the server's state in 
 from __future__ import annotations
 
 import json
-import random
-import time
 
 import h5py
 import pytest
@@ -14,6 +12,7 @@ from test_eager import evaluation_records, mlp_bn
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
+from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.components import Checkpoints, Tuning
 
@@ -42,9 +41,10 @@ def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("slow", [False, True])
-def test_the_server_applies_every_group_update_exactly_once(comm, slow):
-    """Test mode: the held state is a float64 sum of the updates, so it must end as the sum of those sent."""
+@pytest.mark.parametrize("late", [False, True])
+def test_the_server_applies_every_group_update_exactly_once_and_no_group_waits(comm, late):
+    """Test mode: the held state is a float64 sum of the updates, so it must end as the sum of those sent. With
+    `late`, the last group starts only once every other group has finished: it would hang if a group waited."""
     steps = 12
     for groups in divisors(comm.size):
         group = comm.split(comm.rank // (comm.size // groups), comm.rank)
@@ -53,15 +53,17 @@ def test_the_server_applies_every_group_update_exactly_once(comm, slow):
         server.serve((torch.zeros(width, dtype=torch.float64),), lambda held, message, params: held[0].add_(message))
         sent = torch.zeros(width, dtype=torch.float64)
         seen = torch.zeros(width, dtype=torch.float64)
-        rng = random.Random(comm.rank)
+        late_group = late and groups > 1 and server.group_index == groups - 1
         for step in range(steps):
-            if slow:
-                time.sleep(rng.uniform(0, 0.01) * (1 + server.group_index))
+            if late_group and step == 0:
+                wait_sleeping([comm.mpi_comm.Ibarrier()])
             update = torch.zeros(width, dtype=torch.float64)
             update[server.group_index * steps + step] = 0.5 + comm.rank
             sent += update
             server.exchange(update, seen, params=())
             assert seen[server.group_index * steps + step] > 0, "a group reads its own update back"
+        if late and groups > 1 and not late_group:
+            wait_sleeping([comm.mpi_comm.Ibarrier()])
         held = torch.empty(width, dtype=torch.float64)
         server.meet((held,))
         server.stop()
@@ -71,6 +73,8 @@ def test_the_server_applies_every_group_update_exactly_once(comm, slow):
         stats = server.statistics()
         assert stats["omnivore_updates"] == [steps] * groups
         assert sum(stats["omnivore_staleness"]) == steps * groups
+        if late and groups > 1:
+            assert stats["omnivore_staleness_max"] == steps * (groups - 1), "the late group read z before any update"
         assert stats["omnivore_staleness_max"] <= steps * (groups - 1)
         if groups == 1:
             assert stats["omnivore_staleness"] == [steps]

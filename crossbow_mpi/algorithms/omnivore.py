@@ -21,14 +21,17 @@ from typing import Sequence
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.comm.server import ModelServer
+from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.state import HyperParams
 
 
 class Omnivore(Algorithm):
     name = "omnivore"
     transport_kind = "server"
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):
+        super().__init__(hp, transport, central, learners)
         self.transport.serve((self.central.z, self.central.u), self.update_central)
 
     def local_step(self, rows: slice, lr: float) -> None:
