@@ -132,6 +132,14 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     assert continued.iterations == 2 * STEPS
     assert torch.isfinite(continued.central).all() and not torch.equal(continued.central, first.central)
 
+    regrouped = run_config(shared_tmp, algorithm="omnivore", groups=1, learners=2, epochs=3, resume=True)
+    assert Trainer(regrouped, comm).fit(mlp_bn, train, test).iterations == 3 * STEPS
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
+            algorithm = json.loads(f["train"].attrs["algorithm"])
+        updates = [3 * STEPS] if groups == 1 else [STEPS]  # the counts start afresh with other groups
+        assert algorithm == {"version": 2 * groups * STEPS + STEPS, "updates": updates}
+
 
 @pytest.mark.parametrize(
     "ranks, args, message",

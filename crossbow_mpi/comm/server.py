@@ -164,9 +164,11 @@ class ModelServer(Communicator):
         return {"version": self.version, "updates": self.updates.tolist()}
 
     def load_state_dict(self, state: dict, held: Sequence[torch.Tensor]) -> None:
-        """Restore the counters and, on the server's rank, the held state from `held`."""
-        self.version = self.read_version = state["version"]
-        self.updates = np.array(state["updates"], np.int64)
+        """Restore the counters and, on the server's rank, the held state from `held`. The per-group counts start
+        afresh when the groups changed (or the state is another algorithm's, without counters)."""
+        self.version = self.read_version = state.get("version", 0)
+        updates = np.array(state.get("updates", []), np.int64)
+        self.updates = updates if len(updates) == self.groups else np.zeros(self.groups, np.int64)
         if self.data.rank == SERVER_RANK:
             with self.lock:
                 for mine, restored in zip(self.held, held):
