@@ -75,7 +75,10 @@ class Config:
     """eager-SGD: run a fully synchronous round at least every this many rounds (bounds staleness)."""
     groups: int | str = 1
     """Omnivore: compute groups of P/G consecutive ranks each (G must divide the ranks P); a group steps
-    synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous."""
+    synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous. `auto`:
+    Omnivore's optimizer picks the groups, momentum and learning rate from timed probes before training."""
+    probe_seconds: float = 30.0
+    """With `--groups auto`: seconds of training per optimizer probe."""
     lr_steps: tuple[float, ...] = ()
     """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
     lr_gamma: float = 0.1
@@ -150,7 +153,15 @@ class Config:
         if self.algorithm == "eager" and self.learners == "auto":
             raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
         self._validate_groups()
-        positive = ("batch_size", "epochs", "keep_checkpoints", "autotune_interval", "max_learners", "eager_sync_every")
+        positive = (
+            "batch_size",
+            "epochs",
+            "keep_checkpoints",
+            "autotune_interval",
+            "max_learners",
+            "eager_sync_every",
+            "probe_seconds",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -189,9 +200,7 @@ class Config:
     def _validate_groups(self) -> None:
         if self.groups == "auto" and self.learners == "auto":
             raise ConfigError("--groups auto and --learners auto cannot be combined: fix one of them")
-        if self.groups == "auto":
-            raise ConfigError("--groups auto (the Omnivore optimizer) is not available yet: give a number of groups")
-        if not (isinstance(self.groups, int) and self.groups > 0):
+        if self.groups != "auto" and not (isinstance(self.groups, int) and self.groups > 0):
             raise ConfigError(f"--groups must be a positive number, got {self.groups}")
         if self.groups != 1 and self.algorithm != "omnivore":
             raise ConfigError(f"--groups applies to --algorithm omnivore only, not {self.algorithm}")

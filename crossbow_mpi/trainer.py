@@ -25,6 +25,7 @@ from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
+from crossbow_mpi.optimizer import OmnivoreOptimizer
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
 
@@ -98,7 +99,8 @@ class Trainer:
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         data = comm or agree(world, lambda: build_communicator(world.mpi_comm, config.comm, self.device))
         if config.algorithm == "omnivore":
-            self.topology = Topology.grouped(world, data, config.groups, local_rank, local_size)
+            groups = 1 if config.groups == "auto" else config.groups  # the optimizer starts from one group
+            self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
         else:
             self.topology = Topology.data_parallel(world, data, local_rank, local_size)
 
@@ -146,6 +148,8 @@ class Trainer:
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
+            if cfg.groups == "auto":
+                OmnivoreOptimizer(cfg, run, parts.metrics, parts.progress).choose()
             return self._loop(run, parts)
         finally:
             parts.close()

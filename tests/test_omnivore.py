@@ -4,6 +4,7 @@ starves, staleness statistics in every evaluation record, the server's state in 
 from __future__ import annotations
 
 import json
+import math
 
 import h5py
 import pytest
@@ -15,6 +16,7 @@ from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.components import Checkpoints, Tuning
+from crossbow_mpi.optimizer import grid, group_counts
 
 from conftest import run_job
 from test_algorithms import BATCH, STEPS, datasets, run_config
@@ -149,6 +151,7 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
         (1, ["--groups", "-2"], "--groups must be a positive number, got -2"),
         (1, ["--groups", "auto", "--learners", "auto"], "--groups auto and --learners auto cannot be combined"),
         (1, ["--groups", "2", "--algorithm", "ssgd"], "--groups applies to --algorithm omnivore only"),
+        (1, ["--groups", "auto", "--probe-seconds", "0"], "--probe-seconds must be positive, got 0.0"),
     ],
 )
 def test_bad_groups_exit_2_with_one_line(tmp_path, ranks, args, message):
@@ -157,3 +160,36 @@ def test_bad_groups_exit_2_with_one_line(tmp_path, ranks, args, message):
     ours = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")]
     assert job.returncode == 2 and len(ours) == 1 and "Traceback" not in job.stderr, job.stderr
     assert message in ours[0]
+
+
+def test_the_optimizer_grid_is_pruned_as_the_artifact_does():
+    assert group_counts(1) == [1] and group_counts(4) == [1, 2, 4] and group_counts(6) == [1, 2]
+    assert grid(0.6, 0.1, diverged=[]) == [(0.0, 0.1), (0.3, 0.1), (0.6, 0.1), (0.6, 0.01), (0.9, 0.01)]
+    assert grid(0.9, 0.1, diverged=[(0.3, 0.1)]) == [(0.0, 0.1), (0.9, 0.01)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, probe_seconds=0.05, eval_every=40)
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert result.iterations == STEPS, "training starts from the snapshot the probes started from"
+    records = [
+        json.loads(line)
+        for line in comm.bcast_json(
+            (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+        ).splitlines()
+    ]
+    probes = [r for r in records if r.get("decision") == "probe"]
+    [choice] = [r for r in records if r.get("decision") == "choice"]
+    assert [(p["groups"], p["momentum"], p["lr"]) for p in probes[:4]] == [
+        (1, 0.9, factor * cfg.lr) for factor in (10, 1, 0.1, 0.01)
+    ]
+    assert {p["groups"] for p in probes} <= set(group_counts(comm.size)) and choice["probes"] == len(probes)
+    best = min(probes, key=lambda p: math.inf if p["score"] is None else p["score"])
+    assert {k: choice[k] for k in ("groups", "momentum", "lr", "score")} == {
+        k: best[k] for k in ("groups", "momentum", "lr", "score")
+    }
+    evaluations = [r for r in records if "test_accuracy" in r]
+    assert evaluations and all(len(r["omnivore_updates"]) == choice["groups"] for r in evaluations)
+    assert all(r["lr"] == choice["lr"] for r in evaluations)

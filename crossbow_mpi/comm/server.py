@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, Reduction, wait_sleeping
+from crossbow_mpi.comm.mpi import MpiCommunicator
 
 SERVER_RANK = 0
 HEADER_TAG, MESSAGE_TAG, REPLY_TAG, VERSION_TAG = 0x0A1, 0x0A2, 0x0A3, 0x0A4
@@ -38,12 +39,10 @@ class ModelServer(Communicator):
     """
 
     def __init__(self, data: Communicator, group: Communicator, groups: int):
-        super().__init__(group.mpi_comm)
-        assert data.size == group.size * groups, "groups of equal size that cover the world"
         self.data = data
-        self.group = group
-        self.groups = groups
-        self.group_index = data.rank // group.size
+        self.splits = {groups: group}
+        """The compute groups of each number of groups used so far."""
+        self._use_group(groups)
         self.channel = data.mpi_comm.Dup()
         self.read_version = 0
         """The version of the state this group last read (the server's updates applied up to then)."""
@@ -61,6 +60,25 @@ class ModelServer(Communicator):
         self.cpu_before = self.cpu_s = 0.0
         """The server thread's CPU seconds: of its finished runs, and in all up to its latest update."""
         self.window = self._empty_window()
+
+    def regroup(self, groups: int) -> None:
+        """Use `groups` compute groups of consecutive ranks from now on (collective over `data`, after `meet` and
+        `stop`); the per-group counts start afresh."""
+        assert self.thread is None and self.data.size % groups == 0
+        if groups not in self.splits:
+            size = self.data.size // groups
+            self.splits[groups] = MpiCommunicator(self.data.mpi_comm.Split(self.data.rank // size, self.data.rank))
+        self._use_group(groups)
+        self.updates = np.zeros(groups, np.int64)
+        self.window = self._empty_window()
+
+    def _use_group(self, groups: int) -> None:
+        group = self.splits[groups]
+        super().__init__(group.mpi_comm)
+        assert self.data.size == group.size * groups, "groups of equal size that cover the world"
+        self.group = group
+        self.groups = groups
+        self.group_index = self.data.rank // group.size
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         return self.group.allreduce_sum_(tensor)
