@@ -15,6 +15,7 @@ COLUMNS = {
     "sync_cost": {"ranks", "model", "floats", "sma_step_us", "allreduce_us", "ratio"},
     "overhead": {"b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
     "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
+    "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
 }
 RECORD_KEYS = {
     "benchmark",
