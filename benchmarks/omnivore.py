@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from benchmarks import harness
+from benchmarks import eager, harness
 
-RANKS = 4
+RANKS = eager.RANKS
 ALGORITHMS = {
     "ssgd": {"algorithm": "ssgd"},
     "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
@@ -22,14 +22,10 @@ ALGORITHMS = {
 
 
 @dataclass
-class Budget(harness.Budget):
-    """Which imbalances, at which batch size, learning rate and probe length."""
+class Budget(eager.Budget):
+    """eager's budget, with the optimizer's probe length."""
 
-    batch_size: int
-    lr: float
     probe_seconds: float
-    imbalances: dict[str, str]
-    """Name → `--inject-imbalance` value."""
 
 
 FULL = Budget(
@@ -40,8 +36,8 @@ FULL = Budget(
     epochs=1,
     batch_size=16,
     lr=0.02,
-    probe_seconds=2,
     imbalances={"none": "", "random": "random:30", "slow rank": f"slow-rank:{RANKS - 1}:2"},
+    probe_seconds=2,
     timeout_s=600,
 )
 QUICK = Budget(
@@ -52,8 +48,8 @@ QUICK = Budget(
     epochs=0.02,
     batch_size=16,
     lr=0.01,
-    probe_seconds=0.05,
     imbalances={"none": ""},
+    probe_seconds=0.05,
     timeout_s=120,
 )
 
@@ -95,17 +91,7 @@ def chosen(runs: list[dict], variant: str) -> dict:
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    common = {
-        "model": budget.model,
-        "dataset": budget.dataset,
-        "target_accuracy": budget.target_accuracy,
-        "eval_every": budget.eval_every,
-        "epochs": budget.epochs,
-        "batch_size": budget.batch_size,
-        "lr": budget.lr,
-        "learners": 1,
-        "threads": 1,
-    }
+    common = eager.common_flags(budget)
     variants = {
         f"{imbalance} / {name}": {
             **common,
