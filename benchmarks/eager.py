@@ -66,9 +66,9 @@ def with_lr(flags: dict, lr: float) -> dict:
     return {**flags, "lr": lr * factor}
 
 
-def measure(options: harness.Options) -> harness.Report:
-    budget = QUICK if options.quick else FULL
-    common = {
+def common_flags(budget: Budget) -> dict:
+    """Return the training flags every variant shares: one learner and one thread per rank."""
+    return {
         "model": budget.model,
         "dataset": budget.dataset,
         "target_accuracy": budget.target_accuracy,
@@ -79,6 +79,11 @@ def measure(options: harness.Options) -> harness.Report:
         "learners": 1,
         "threads": 1,
     }
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    common = common_flags(budget)
     variants = {
         f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
         for imbalance, spec in budget.imbalances.items()

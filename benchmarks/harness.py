@@ -264,6 +264,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "final_accuracy": summary["final_test_accuracy"],
         "time_limited": summary.get("time_limited", False),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
+        "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"crashes": crashes} if crashes else {}),
     }
 

@@ -36,7 +36,8 @@ class Config:
     """Everything that defines a run. Same config and seed give the same bits."""
 
     algorithm: str = "sma"
-    """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD) or `eager` (eager-SGD)."""
+    """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD), `eager` (eager-SGD) or
+    `omnivore` (compute groups, asynchronous across groups)."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
     dataset: str = "mnist"
@@ -74,6 +75,12 @@ class Config:
     """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
     eager_sync_every: int = 32
     """eager-SGD: run a fully synchronous round at least every this many rounds (bounds staleness)."""
+    groups: int | str = 1
+    """Omnivore: compute groups of P/G consecutive ranks each (G must divide the ranks P); a group steps
+    synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous. `auto`:
+    Omnivore's optimizer picks the groups, momentum and learning rate from timed probes before training."""
+    probe_seconds: float = 30.0
+    """With `--groups auto`: seconds of training per optimizer probe."""
     lr_steps: tuple[float, ...] = ()
     """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
     lr_gamma: float = 0.1
@@ -160,6 +167,7 @@ class Config:
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm == "eager" and self.learners == "auto":
             raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
+        self._validate_groups()
         positive = (
             "batch_size",
             "epochs",
@@ -169,6 +177,7 @@ class Config:
             "eager_sync_every",
             "pipeline_stages",
             "micro_batches",
+            "probe_seconds",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -206,6 +215,14 @@ class Config:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
+
+    def _validate_groups(self) -> None:
+        if self.groups == "auto" and self.learners == "auto":
+            raise ConfigError("--groups auto and --learners auto cannot be combined: fix one of them")
+        if self.groups != "auto" and not (isinstance(self.groups, int) and self.groups > 0):
+            raise ConfigError(f"--groups must be a positive number, got {self.groups}")
+        if self.groups != 1 and self.algorithm != "omnivore":
+            raise ConfigError(f"--groups applies to --algorithm omnivore only, not {self.algorithm}")
 
     def to_json(self) -> str:
         """Return the configuration as JSON, with `resume` false: replayed in a new directory, it runs the same

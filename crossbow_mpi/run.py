@@ -63,7 +63,7 @@ class Run:
         self.learners = Learners(model_fn, self.layout, self.central, learners)
         self.hp = HyperParams.from_config(config)
         algorithm = ALGORITHMS[config.algorithm]
-        transport = build_transport(algorithm.transport_kind, topology.data, config)
+        transport = build_transport(algorithm.transport_kind, topology.data, config, topology.group)
         self.algorithm = algorithm(self.hp, transport, self.central, self.learners)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
@@ -101,8 +101,10 @@ class Run:
         return Step(samples, losses, time.perf_counter() - started)
 
     def settle(self) -> None:
-        """Order what follows after the queued device work and collect the summed losses into the state."""
+        """Order what follows after the queued device work, collect the summed losses into the state and bring every
+        rank to one central model (collective: the loop settles where the whole world meets)."""
         self.engine.synchronize()
+        self.algorithm.meet()
         self.state.loss_sum += float(self.losses)
         self.losses.zero_()
 

@@ -3,18 +3,20 @@ which part of one model."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from crossbow_mpi.comm import Communicator, MpiCommunicator
+from crossbow_mpi.config import ConfigError
 
 
 @dataclass(frozen=True)
 class Topology:
     """Named scopes of the ranks; every component receives only the scope it needs.
 
-    Today every rank holds a whole model and all ranks step together, so `data` and `group` span the world
-    and `stage` is this rank alone.
+    Today every rank holds a whole model, so `data` spans the world and `stage` is this rank alone; `group` spans
+    the world too, except with Omnivore's compute groups (`grouped`).
     """
 
     world: Communicator
@@ -65,3 +67,15 @@ class Topology:
             local_rank=local_rank,
             local_size=local_size,
         )
+
+    @classmethod
+    def grouped(
+        cls, world: MpiCommunicator, data: Communicator, groups: int, local_rank: int, local_size: int
+    ) -> "Topology":
+        """Return the data-parallel topology with `groups` compute groups of consecutive ranks (collective);
+        ConfigError, the same on every rank, when they do not split the ranks evenly."""
+        if world.size % groups:
+            raise ConfigError(f"--groups {groups} does not divide the {world.size} ranks into equal groups")
+        topology = cls.data_parallel(world, data, local_rank, local_size)
+        group = world.split(world.rank // (world.size // groups), world.rank)
+        return dataclasses.replace(topology, group=group)

@@ -26,6 +26,7 @@ from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.metrics import summary_writer_class
+from crossbow_mpi.optimizer import OmnivoreOptimizer
 from crossbow_mpi.pipeline import build_pipeline
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
@@ -107,10 +108,14 @@ class Trainer:
             self.topology = agree(
                 world, lambda: Topology.pipeline(world, config.pipeline_stages, data_comm, local_rank, local_size)
             )
+            return
+        data = comm or agree(
+            world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
+        )
+        if config.algorithm == "omnivore":
+            groups = 1 if config.groups == "auto" else config.groups  # the optimizer starts from one group
+            self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
         else:
-            data = comm or agree(
-                world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
-            )
             self.topology = Topology.data_parallel(world, data, local_rank, local_size)
 
     @property
@@ -161,6 +166,8 @@ class Trainer:
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
+            if cfg.groups == "auto":
+                OmnivoreOptimizer(cfg, run, parts.metrics, parts.progress).choose()
             return self._loop(run, parts)
         finally:
             parts.close()

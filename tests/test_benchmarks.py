@@ -16,6 +16,7 @@ COLUMNS = {
     "overhead": {"b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
     "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
+    "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
 }
 RECORD_KEYS = {
     "benchmark",

@@ -14,7 +14,7 @@ from conftest import REPO
 PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
     4: ["train", "export", "report", "plan"],
-    3: ["trainer", "components", "run", "checkpoint"],
+    3: ["trainer", "components", "run", "checkpoint", "optimizer"],
     2: ["algorithms", "tuner", "schedule"],
     1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
     0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state", "projection"],

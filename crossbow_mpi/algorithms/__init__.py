@@ -2,11 +2,12 @@
 
 from crossbow_mpi.algorithms.base import Algorithm
 from crossbow_mpi.algorithms.eager import EagerSGD
+from crossbow_mpi.algorithms.omnivore import Omnivore
 from crossbow_mpi.algorithms.sma import SynchronousModelAveraging
 from crossbow_mpi.algorithms.ssgd import SynchronousSGD
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging, EagerSGD)
+    cls.name: cls for cls in (SynchronousSGD, SynchronousModelAveraging, EagerSGD, Omnivore)
 }
 
-__all__ = ["ALGORITHMS", "Algorithm", "EagerSGD", "SynchronousModelAveraging", "SynchronousSGD"]
+__all__ = ["ALGORITHMS", "Algorithm", "EagerSGD", "Omnivore", "SynchronousModelAveraging", "SynchronousSGD"]

@@ -63,6 +63,10 @@ class Algorithm:
     def on_lr_drop(self) -> None:
         """React to a learning-rate drop."""
 
+    def meet(self) -> None:
+        """Bring every rank to the same central model where the whole world meets: evaluations, checkpoints and
+        the end (collective). Only algorithms whose ranks may hold different models between meetings act."""
+
     def drain(self) -> None:
         """Finish outstanding communication, so that every rank holds the same, complete state."""
 

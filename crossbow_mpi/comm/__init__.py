@@ -64,9 +64,14 @@ def _note(comm: Communicator, text: str) -> None:
         print(f"crossbow_mpi: note: {text}", file=sys.stderr, flush=True)
 
 
-def build_transport(kind: str, data: Communicator, config) -> Communicator:
-    """Return what an algorithm reduces over (collective): the data scope's communicator for `allreduce`, or
-    eager-SGD's partial collective over it for `partial`."""
+def build_transport(kind: str, data: Communicator, config, group: Communicator | None = None) -> Communicator:
+    """Return what an algorithm reduces over (collective): the data scope's communicator for `allreduce`,
+    eager-SGD's partial collective over it for `partial`, or for `server` the compute `group`'s collectives with
+    Omnivore's model server over the data scope."""
+    if kind == "server":
+        from crossbow_mpi.comm.server import ModelServer
+
+        return ModelServer(data, group, data.size // group.size)
     if kind == "partial":
         from crossbow_mpi.comm.partial import PartialAllreduce
 

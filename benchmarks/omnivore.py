@@ -1,0 +1,149 @@
+"""Omnivore against S-SGD and eager-SGD: (a) the momentum and learning rate its optimizer tunes for each number of
+compute groups g, and (b) the time to the same test accuracy, tuning time included, LeNet/MNIST on 4 ranks × 1
+thread, with no imbalance, random stragglers and one slow rank.
+
+(a) comes from the optimizer's probes of the `omnivore --groups auto` runs without imbalance: for each g, the probe
+of the lowest score (median over the seeds). (b) gives medians, the speedup over S-SGD under the same imbalance
+(S-SGD's time to accuracy / the algorithm's) and, for Omnivore, the (g, momentum, lr) it chose (medians).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from benchmarks import eager, harness
+
+RANKS = eager.RANKS
+ALGORITHMS = {
+    "ssgd": {"algorithm": "ssgd"},
+    "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
+    "omnivore auto": {"algorithm": "omnivore", "groups": "auto"},
+}
+
+
+@dataclass
+class Budget(eager.Budget):
+    """eager's budget, with the optimizer's probe length."""
+
+    probe_seconds: float
+
+
+FULL = Budget(
+    "lenet",
+    "mnist",
+    0.98,
+    3200,
+    epochs=1,
+    batch_size=16,
+    lr=0.02,
+    imbalances={"none": "", "random": "random:30", "slow rank": f"slow-rank:{RANKS - 1}:2"},
+    probe_seconds=2,
+    timeout_s=600,
+)
+QUICK = Budget(
+    "mlp",
+    "synthetic-mnist",
+    0.15,
+    600,
+    epochs=0.02,
+    batch_size=16,
+    lr=0.01,
+    imbalances={"none": ""},
+    probe_seconds=0.05,
+    timeout_s=120,
+)
+
+COLUMNS = [
+    "imbalance",
+    "algorithm",
+    "reached",
+    "tta_s",
+    "epochs",
+    "samples_per_s",
+    "speedup",
+    "groups",
+    "momentum",
+    "lr",
+]
+
+
+def best_probes(runs: list[dict], variant: str) -> dict[int, list[dict]]:
+    """Return, for each g, the best probe of each of a variant's runs."""
+    best: dict[int, list[dict]] = {}
+    for run in (run for run in runs if run["variant"] == variant):
+        probes = [r for r in run.get("optimizer", []) if r["decision"] == "probe" and r["score"] is not None]
+        for groups in sorted({p["groups"] for p in probes}):
+            best.setdefault(groups, []).append(min((p for p in probes if p["groups"] == groups), key=score))
+    return best
+
+
+def score(probe: dict) -> float:
+    return probe["score"]
+
+
+def chosen(runs: list[dict], variant: str) -> dict:
+    """Return the medians of the (g, momentum, lr) that a variant's optimizer chose."""
+    choices = [
+        r for run in runs if run["variant"] == variant for r in run.get("optimizer", []) if r["decision"] == "choice"
+    ]
+    return {key: harness.median([c[key] for c in choices]) for key in ("groups", "momentum", "lr")}
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    common = eager.common_flags(budget)
+    variants = {
+        f"{imbalance} / {name}": {
+            **common,
+            **flags,
+            **({"probe_seconds": budget.probe_seconds} if "groups" in flags else {}),
+            "inject_imbalance": spec,
+        }
+        for imbalance, spec in budget.imbalances.items()
+        for name, flags in ALGORITHMS.items()
+    }
+    harness.log(f"omnivore: {len(variants)} variants × {options.reps} on {RANKS} ranks")
+    runs = harness.interleave(
+        {variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s) for variant, flags in variants.items()},
+        options.reps,
+    )
+    first = next(iter(budget.imbalances))
+    rows = [
+        {
+            **dict.fromkeys(COLUMNS),
+            "imbalance": first,
+            "algorithm": f"(a) omnivore g={groups}, best probe",
+            "groups": groups,
+            "momentum": harness.median([p["momentum"] for p in probes]),
+            "lr": harness.median([p["lr"] for p in probes]),
+        }
+        for groups, probes in best_probes(runs, f"{first} / omnivore auto").items()
+    ]
+    for imbalance in budget.imbalances:
+        reference = harness.train_row(runs, f"{imbalance} / ssgd")["tta_s"]
+        for name, flags in ALGORITHMS.items():
+            variant = f"{imbalance} / {name}"
+            row = harness.train_row(runs, variant)
+            setting = chosen(runs, variant) if "groups" in flags else {"groups": 1, "momentum": 0.9, "lr": budget.lr}
+            rows.append(
+                {
+                    "imbalance": imbalance,
+                    "algorithm": f"(b) {name}",
+                    **row,
+                    "speedup": harness.ratio(reference, row["tta_s"]),
+                    **setting,
+                }
+            )
+    return harness.Report(
+        question=f"(a) Omnivore's tuned momentum and lr per number of groups g; (b) time to "
+        f"{budget.target_accuracy:.0%} test accuracy, tuning included, {budget.model} on {budget.dataset}, {RANKS} "
+        "ranks × 1 thread, under injected imbalance (medians; speedup = S-SGD's time / the algorithm's)",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants},
+    )
+
+
+if __name__ == "__main__":
+    harness.main(measure)

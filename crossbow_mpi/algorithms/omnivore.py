@@ -1,0 +1,70 @@
+"""Omnivore (Hadjis, Zhang, Mitliagkas, Iter, Ré, arXiv 1606.04487): S-SGD inside compute groups, asynchronous
+updates of one central model across groups.
+
+The P ranks form G groups of P/G consecutive ranks. Every step of group γ (crossbow_mpi.comm.server):
+
+    g = (1 / K_γ) Σ_{ranks of γ} Σ_j ∇ℓ(w_j)        (w_j = z_γ, the central model γ last read; K_γ its learners)
+    at the server, applied to whatever z is then:  u ← μ u + (g + λ z);  z ← z − η u
+    every learner of γ becomes the new z
+
+The momentum u is held with the central model on the server. z's BatchNorm buffers become the mean over the
+group's learners, like S-SGD's over all. G = 1 is S-SGD, bit for bit; G = P is fully asynchronous. Groups meet,
+and every rank takes the server's z and u, only where the whole world meets: at evaluations, checkpoints and
+the end (`meet`). Between meetings each group takes one step per global step of the loop, so the data order
+is S-SGD's (no sample twice per epoch) and a group runs at most the stop vote's lag ahead of the slowest.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.comm.server import ModelServer
+from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.state import HyperParams
+
+
+class Omnivore(Algorithm):
+    name = "omnivore"
+    transport_kind = "server"
+
+    def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):
+        super().__init__(hp, transport, central, learners)
+        self.transport.serve((self.central.z, self.central.u), self.update_central)
+
+    def local_step(self, rows: slice, lr: float) -> None:
+        self.staged_rows(rows).copy_(self.learners.grads[rows])
+
+    def sync(self, lr: float) -> None:
+        hp = self.hp
+        torch.sum(self.staged, 0, out=self.message)
+        self.transport.exchange(self.message, self.central.z, (lr, hp.momentum, hp.weight_decay))
+        self.learners.reset_to(self.central.z)
+
+    def update_central(self, held: Sequence[torch.Tensor], message: torch.Tensor, params: Sequence[float]) -> None:
+        """Apply one group's summed message [gradients | buffers | learners] to the server's z and u."""
+        (z, u), (lr, momentum, weight_decay) = held, params
+        num_params, carried = u.numel(), message[-1:]
+        torch.div(message[num_params:-1], carried, out=z[num_params:])
+        g = message[:num_params].div_(carried)
+        g.add_(z[:num_params], alpha=weight_decay)
+        u.mul_(momentum).add_(g)
+        z[:num_params].sub_(u, alpha=lr)
+
+    def meet(self) -> None:
+        self.transport.meet((self.central.z, self.central.u))
+        self.learners.reset_to(self.central.z)
+
+    def drain(self) -> None:
+        self.transport.stop()
+
+    def statistics(self) -> dict:
+        return self.transport.statistics()
+
+    def state_dict(self) -> dict:
+        return self.transport.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.transport.load_state_dict(state, (self.central.z, self.central.u))

@@ -1,0 +1,195 @@
+"""Omnivore: one group is S-SGD bit for bit, the server applies every group's update exactly once, no group
+starves, staleness statistics in every evaluation record, the server's state in checkpoints, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import h5py
+import pytest
+import torch
+from test_eager import evaluation_records, mlp_bn
+
+from crossbow_mpi import Trainer
+from crossbow_mpi.checkpoint import list_checkpoints
+from crossbow_mpi.comm.base import wait_sleeping
+from crossbow_mpi.comm.server import ModelServer
+from crossbow_mpi.components import Checkpoints, Tuning
+from crossbow_mpi.optimizer import grid, group_counts
+
+from conftest import run_job
+from test_algorithms import BATCH, STEPS, datasets, run_config
+
+
+def divisors(size: int) -> list[int]:
+    return [groups for groups in range(1, size + 1) if size % groups == 0]
+
+
+def all_groups(comm) -> list[int]:
+    return [groups for groups in divisors(comm.size) if groups > 1] or [1]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("learners", [1, 2])
+def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners):
+    train, test = datasets(comm.size, learners)
+    results = {}
+    for algorithm in ("ssgd", "omnivore"):
+        cfg = run_config(shared_tmp / algorithm, algorithm=algorithm, learners=learners, eval_every=40, comm="mpi")
+        results[algorithm] = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert results["omnivore"].iterations == results["ssgd"].iterations == STEPS
+    assert torch.equal(results["omnivore"].central, results["ssgd"].central)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("late", [False, True])
+def test_the_server_applies_every_group_update_exactly_once_and_no_group_waits(comm, late):
+    """Test mode: the held state is a float64 sum of the updates, so it must end as the sum of those sent. With
+    `late`, the last group starts only once every other group has finished: it would hang if a group waited."""
+    steps = 12
+    for groups in divisors(comm.size):
+        group = comm.split(comm.rank // (comm.size // groups), comm.rank)
+        server = ModelServer(comm, group, groups)
+        width = groups * steps
+        server.serve((torch.zeros(width, dtype=torch.float64),), lambda held, message, params: held[0].add_(message))
+        sent = torch.zeros(width, dtype=torch.float64)
+        seen = torch.zeros(width, dtype=torch.float64)
+        late_group = late and groups > 1 and server.group_index == groups - 1
+        for step in range(steps):
+            if late_group and step == 0:
+                wait_sleeping([comm.mpi_comm.Ibarrier()])
+            update = torch.zeros(width, dtype=torch.float64)
+            update[server.group_index * steps + step] = 0.5 + comm.rank
+            sent += update
+            server.exchange(update, seen, params=())
+            assert seen[server.group_index * steps + step] > 0, "a group reads its own update back"
+        if late and groups > 1 and not late_group:
+            wait_sleeping([comm.mpi_comm.Ibarrier()])
+        held = torch.empty(width, dtype=torch.float64)
+        server.meet((held,))
+        server.stop()
+        assert server.thread is None
+        comm.allreduce_sum_(sent)
+        assert torch.equal(held, sent), "an update was lost or applied twice"
+        stats = server.statistics()
+        assert stats["omnivore_updates"] == [steps] * groups
+        assert sum(stats["omnivore_staleness"]) == steps * groups
+        if late and groups > 1:
+            assert stats["omnivore_staleness_max"] == steps * (groups - 1), "the late group read z before any update"
+        assert stats["omnivore_staleness_max"] <= steps * (groups - 1)
+        if groups == 1:
+            assert stats["omnivore_staleness"] == [steps]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_evaluation_records_carry_staleness_and_no_group_starves(comm, shared_tmp):
+    groups = all_groups(comm)[-1]
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=1, eval_every=5 * comm.size * BATCH)
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert result.iterations == STEPS
+    records = evaluation_records(comm, shared_tmp / "run")
+    assert len(records) == 4
+    previous = 0
+    for record in records:
+        updates, histogram = record["omnivore_updates"], record["omnivore_staleness"]
+        assert len(updates) == groups and sum(updates) == groups * (record["iteration"] - previous)
+        assert max(updates) <= 2 * min(updates), "a group starves"
+        assert sum(histogram) == sum(updates)
+        assert record["omnivore_staleness_max"] == max(i for i, n in enumerate(histogram) if n)
+        mean = sum(i * n for i, n in enumerate(histogram)) / sum(histogram)
+        assert record["omnivore_staleness_mean"] == pytest.approx(mean)
+        assert 0 <= record["omnivore_server_cpu_share"] < 1
+        previous = record["iteration"]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_tmp):
+    groups = all_groups(comm)[-1]
+    train, test = datasets(comm.size, 2)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=2, checkpoint_every=6)
+    first = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert first.iterations == STEPS
+
+    saved = None
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
+            algorithm = json.loads(f["train"].attrs["algorithm"])
+            saved = {"z": f["central/z"][...].tolist(), "u": f["central/u"][...].tolist(), "algorithm": algorithm}
+    saved = comm.bcast_json(saved)
+    assert saved["algorithm"] == {"version": groups * STEPS, "updates": [STEPS] * groups}
+
+    resumed = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=2, epochs=2, resume=True)
+    trainer = Trainer(resumed, comm)
+    run = trainer.start(mlp_bn, train, test_set=test)
+    Checkpoints(resumed, comm, Tuning(resumed, comm, run, trainer.device, 1, None, None)).restore(run)
+    server = run.algorithm.transport
+    assert run.central.z.tolist() == saved["z"] and run.central.u.tolist() == saved["u"]
+    assert server.state_dict() == saved["algorithm"] and server.read_version == groups * STEPS
+    if comm.rank == 0:
+        assert server.held[0].tolist() == saved["z"] and server.held[1].tolist() == saved["u"]
+
+    continued = Trainer(resumed, comm).fit(mlp_bn, train, test)
+    assert continued.iterations == 2 * STEPS
+    assert torch.isfinite(continued.central).all() and not torch.equal(continued.central, first.central)
+
+    regrouped = run_config(shared_tmp, algorithm="omnivore", groups=1, learners=2, epochs=3, resume=True)
+    assert Trainer(regrouped, comm).fit(mlp_bn, train, test).iterations == 3 * STEPS
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
+            algorithm = json.loads(f["train"].attrs["algorithm"])
+        updates = [3 * STEPS] if groups == 1 else [STEPS]  # the counts start afresh with other groups
+        assert algorithm == {"version": 2 * groups * STEPS + STEPS, "updates": updates}
+
+
+@pytest.mark.parametrize(
+    "ranks, args, message",
+    [
+        (2, ["--groups", "3"], "--groups 3 does not divide the 2 ranks"),
+        (1, ["--groups", "0"], "--groups must be a positive number, got 0"),
+        (1, ["--groups", "-2"], "--groups must be a positive number, got -2"),
+        (1, ["--groups", "auto", "--learners", "auto"], "--groups auto and --learners auto cannot be combined"),
+        (1, ["--groups", "2", "--algorithm", "ssgd"], "--groups applies to --algorithm omnivore only"),
+        (1, ["--groups", "auto", "--probe-seconds", "0"], "--probe-seconds must be positive, got 0.0"),
+    ],
+)
+def test_bad_groups_exit_2_with_one_line(tmp_path, ranks, args, message):
+    args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--algorithm", "omnivore", *args]
+    job = run_job(ranks, args, timeout=90)
+    ours = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")]
+    assert job.returncode == 2 and len(ours) == 1 and "Traceback" not in job.stderr, job.stderr
+    assert message in ours[0]
+
+
+def test_the_optimizer_grid_is_pruned_as_the_artifact_does():
+    assert group_counts(1) == [1] and group_counts(4) == [1, 2, 4] and group_counts(6) == [1, 2]
+    assert grid(0.6, 0.1, diverged=[]) == [(0.0, 0.1), (0.3, 0.1), (0.6, 0.1), (0.6, 0.01), (0.9, 0.01)]
+    assert grid(0.9, 0.1, diverged=[(0.3, 0.1)]) == [(0.0, 0.1), (0.9, 0.01)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, probe_seconds=0.05, eval_every=40)
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert result.iterations == STEPS, "training starts from the snapshot the probes started from"
+    records = [
+        json.loads(line)
+        for line in comm.bcast_json(
+            (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+        ).splitlines()
+    ]
+    probes = [r for r in records if r.get("decision") == "probe"]
+    [choice] = [r for r in records if r.get("decision") == "choice"]
+    assert [(p["groups"], p["momentum"], p["lr"]) for p in probes[:4]] == [
+        (1, 0.9, factor * cfg.lr) for factor in (10, 1, 0.1, 0.01)
+    ]
+    assert {p["groups"] for p in probes} <= set(group_counts(comm.size)) and choice["probes"] == len(probes)
+    best = min(probes, key=lambda p: math.inf if p["score"] is None else p["score"])
+    assert {k: choice[k] for k in ("groups", "momentum", "lr", "score")} == {
+        k: best[k] for k in ("groups", "momentum", "lr", "score")
+    }
+    evaluations = [r for r in records if "test_accuracy" in r]
+    assert evaluations and all(len(r["omnivore_updates"]) == choice["groups"] for r in evaluations)
+    assert all(r["lr"] == choice["lr"] for r in evaluations)
