@@ -14,7 +14,7 @@ from torch import nn
 from crossbow_mpi import runtime
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import build_transport
-from crossbow_mpi.config import Config
+from crossbow_mpi.config import Config, values
 from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.engines import LearnerEngine
@@ -84,14 +84,15 @@ class Run:
     def train_step(self, lr: float) -> Step:
         """Take one global step: batches → gradients → each learner's local update → sync."""
         started = time.perf_counter()
-        state, k, batch_size = self.state, self.learners.k, self.hp.batch_size
-        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_size)
+        state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
+        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_sizes)
         losses = self.engine.compute_gradients(self.learners, batches)
-        samples = self.sampler.step_size(k, batch_size)
-        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_size)
+        samples = self.sampler.step_size(k, batch_sizes)
+        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_sizes)
         if self.imbalance is not None:
             world = self.topology.world
             time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
+        self.algorithm.weigh(batch_sizes, self.topology.data.rank)
         self.engine.local_step(self.algorithm, lr)
         self.engine.sync(self.algorithm, lr)
         self.learners.share_extra_state()
@@ -129,7 +130,10 @@ class Run:
         momentum and keeps the RNGs seeded from the seed and this rank."""
         self.engine.synchronize()
         self.state = TrainState.from_dict(snapshot["train"])
-        self.hp.update(**snapshot["hyperparams"])
+        hyperparams = dict(snapshot["hyperparams"])
+        if len(values(hyperparams["batch_size"])) not in (1, self.topology.data.size):
+            del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
+        self.hp.update(**hyperparams)
         self.central.load_state_dict(snapshot["central"])
         self.algorithm.load_state_dict(snapshot["algorithm"])
         rows = snapshot["learners"]
