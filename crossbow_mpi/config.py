@@ -47,6 +47,17 @@ class Config:
     """Model replicas (learners) per rank, each with its own batches and momentum; `auto`: tune by throughput."""
     batch_size: int | tuple[int, ...] = 16
     """Samples per learner per iteration: one value for every rank, or one per rank (`64,64,8,8`)."""
+    adaptive_batch: bool = False
+    """Adapt each rank's batch size to its speed every `adapt_every` steps, so that the ranks' steps take equal
+    time (by `batch_step`, within [`batch_min`, `batch_max`])."""
+    adapt_every: int = 20
+    """With `adaptive_batch`: steps per measurement window."""
+    batch_min: int = 1
+    """With `adaptive_batch`: smallest batch size per learner."""
+    batch_max: int = 1024
+    """With `adaptive_batch`: largest batch size per learner."""
+    batch_step: int = 1
+    """With `adaptive_batch`: change of a rank's batch size per window."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""
@@ -176,6 +187,10 @@ class Config:
             "eager_sync_every",
             "pipeline_stages",
             "micro_batches",
+            "adapt_every",
+            "batch_min",
+            "batch_max",
+            "batch_step",
         )
         for name in positive:
             if not min(values(getattr(self, name))) > 0:
@@ -199,8 +214,12 @@ class Config:
         for name in non_negative:
             if not min(values(getattr(self, name))) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
-        if self.pipeline_stages > 1 and isinstance(self.batch_size, tuple):
-            raise ConfigError("--pipeline-stages needs one --batch-size for every rank, not one per rank")
+        if self.batch_min > self.batch_max:
+            raise ConfigError(f"--batch-min {self.batch_min} exceeds --batch-max {self.batch_max}")
+        if self.pipeline_stages > 1 and (isinstance(self.batch_size, tuple) or self.adaptive_batch):
+            raise ConfigError(
+                "--pipeline-stages needs one --batch-size for every rank: no per-rank or adaptive batch sizes"
+            )
         if self.micro_batches > min(values(self.batch_size)):
             raise ConfigError(f"--micro-batches {self.micro_batches} exceeds the --batch-size {self.batch_size}")
         if self.pipeline_stages > 1 and self.learners == "auto":

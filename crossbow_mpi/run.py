@@ -14,7 +14,7 @@ from torch import nn
 from crossbow_mpi import runtime
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import build_transport
-from crossbow_mpi.config import Config, values
+from crossbow_mpi.config import Config
 from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.engines import LearnerEngine
@@ -35,6 +35,8 @@ class Step:
     """This rank's learners' losses (on the device)."""
     seconds: float
     """Host time of the step on this rank."""
+    compute_s: float
+    """Host time of the step on this rank before its sync (batches, gradients, injected delay)."""
 
 
 class Run:
@@ -92,6 +94,7 @@ class Run:
         if self.imbalance is not None:
             world = self.topology.world
             time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
+        computed = time.perf_counter()
         self.algorithm.weigh(batch_sizes, self.topology.data.rank)
         self.engine.local_step(self.algorithm, lr)
         self.engine.sync(self.algorithm, lr)
@@ -99,7 +102,7 @@ class Run:
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k
-        return Step(samples, losses, time.perf_counter() - started)
+        return Step(samples, losses, time.perf_counter() - started, computed - started)
 
     def settle(self) -> None:
         """Order what follows after the queued device work and collect the summed losses into the state."""
@@ -131,7 +134,8 @@ class Run:
         self.engine.synchronize()
         self.state = TrainState.from_dict(snapshot["train"])
         hyperparams = dict(snapshot["hyperparams"])
-        if len(values(hyperparams["batch_size"])) not in (1, self.topology.data.size):
+        sizes = hyperparams["batch_size"]
+        if isinstance(sizes, (list, tuple)) and len(sizes) != self.topology.data.size:
             del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
         self.hp.update(**hyperparams)
         self.central.load_state_dict(snapshot["central"])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crossbow_mpi import checkpoint, runtime
+from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
@@ -162,6 +163,9 @@ class Trainer:
         agree(world, lambda: _check_test_set(test_set))
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
+        if cfg.adaptive_batch:
+            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
+            controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
             return self._loop(run, parts)

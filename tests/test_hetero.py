@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_user_inputs import ALGORITHMS
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, ConfigError, Trainer, runtime
+from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy, adapt
 from crossbow_mpi.config import per_rank
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.sampler import GlobalSampler
@@ -135,3 +139,74 @@ def test_ssgd_with_unequal_batches_equals_single_process_sgd_on_the_union_batch(
     training = [i for i in train.used if len(i) == sizes[comm.rank]][: STEPS * learners]
     used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
     assert sorted(used) == list(range(STEPS * aggregate)), "every sample of the epoch once"
+
+
+def test_adapt_grows_the_faster_ranks_batches_and_shrinks_the_slower_within_bounds():
+    policy = BatchPolicy(every=5, smallest=2, largest=9, step=2)
+    assert adapt(policy, [0.4, 0.4, 0.2], (8, 4, 6)) == (9, 6, 4)
+    assert adapt(policy, [0.2, 0.5, 0.3], (3, 9, 2)) == (2, 9, 2)
+    assert adapt(policy, [0.5, 0.5], (4, 6)) == (4, 6)
+
+
+def test_batch_min_above_batch_max_is_a_config_error():
+    with pytest.raises(ConfigError, match="--batch-min 9 exceeds --batch-max 8"):
+        parse_config(["--adaptive-batch", "--batch-min", "9", "--batch-max", "8"]).validate(ALGORITHMS)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_adaptive_batch_gives_a_slow_rank_a_smaller_batch_and_the_faster_ones_larger(comm):
+    slow = comm.size - 1
+    run = SimpleNamespace(
+        sampler=GlobalSampler(1000, 1, comm.rank, comm.size),
+        hp=SimpleNamespace(batch_size=16),
+        state=SimpleNamespace(iteration=3),
+    )
+    controller = AdaptiveBatch(BatchPolicy(every=3, smallest=4, largest=32, step=4), comm)
+    step = SimpleNamespace(compute_s=1.0 if comm.rank == slow and comm.size > 1 else 0.25)
+    assert controller(run, step) is None and controller(run, step) is None
+    changes = controller(run, step)
+    if comm.size == 1:
+        assert changes is None, "one rank makes every update"
+        return
+    assert changes == {"batch_size": (20,) * slow + (12,)}
+    assert controller.history[0]["shares"][slow] == pytest.approx(1 / (4 * slow + 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, shared_tmp):
+    train = Recording(synthetic_dataset((1, 6, 6), 10, 2000, seed=0))
+    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="ssgd",
+        learners=1,
+        batch_size=16,
+        engine="sequential",
+        adaptive_batch=True,
+        adapt_every=2,
+        batch_min=4,
+        batch_max=32,
+        batch_step=4,
+        inject_imbalance=f"slow-rank:{comm.size - 1}:8" if comm.size > 1 else "",
+    )
+    result = Trainer(cfg, comm).fit(mlp, train, test)
+    records = [json.loads(line) for line in (shared_tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    changes = [r["changes"]["batch_size"] for r in records if r.get("event") == "hyperparams"]
+    assert (changes == []) == (comm.size == 1), changes
+    assert all(4 <= b <= 32 for _, sizes in changes for b in sizes)
+    training = [i for i in train.used if len(i) != 1][: result.iterations]
+    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_snapshot_keeps_per_rank_batch_sizes_unless_the_ranks_are_fewer_or_more(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 400, seed=0)
+    run = Trainer(run_config(shared_tmp, learners=1, batch_size=8), comm).start(mlp, train)
+    snapshot = run.state_dict()
+    adapted = [4 + r for r in range(comm.size)]  # as JSON reads a tuple back
+    run.load_state_dict({**snapshot, "hyperparams": {**snapshot["hyperparams"], "batch_size": adapted}})
+    assert run.hp.batch_size == (tuple(adapted) if comm.size > 1 else (4,))
+    assert run.sampler.indices(0, 0, 1, run.hp.batch_size).shape == (1, 4 + comm.rank)
+    run.load_state_dict({**snapshot, "hyperparams": {**snapshot["hyperparams"], "batch_size": adapted * 2}})
+    assert run.hp.batch_size == (tuple(adapted) if comm.size > 1 else (4,)), "sizes of another job size: kept"
