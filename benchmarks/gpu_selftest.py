@@ -4,7 +4,8 @@
 
 Needs torch, CuPy, mpi4py with an MPI library and its mpirun, h5py, numpy, pytest and pytest-mpi, and what the
 repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test) and `mpirun -n 2` with both
-ranks on the first GPU (the shared-GPU test), then measures in this process, a singleton MPI rank. Writes
+ranks on the first GPU (the shared-GPU test; with `--device mixed`, one rank on the GPU and one on the CPU), then
+measures in this process, a singleton MPI rank. Writes
 gpu_selftest.json, prints its tables, and last one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`;
 exits 0 only on PASS: every part ran, every test ran and passed (a skip on a GPU is a failure), and LeNet/MNIST
 reached 99 %.
@@ -38,8 +39,10 @@ THROUGHPUT = {
     "steps": 20,
 }
 SHARED_GPU_TEST = "test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error"
-TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, SHARED_GPU_TEST))
-"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU, every other test runs on one."""
+MIXED_DEVICES_TEST = "test_mixed_devices_with_unequal_batches_train_like_single_process_sgd"
+TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, f"{SHARED_GPU_TEST} or {MIXED_DEVICES_TEST}"))
+"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU and the mixed-devices test a GPU
+rank and a CPU rank; every test runs on one rank."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
 

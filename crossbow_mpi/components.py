@@ -177,7 +177,7 @@ class Tuning:
         self.progress = progress
         self.tuner = None
         if config.learners == "auto":
-            max_learners = min(config.max_learners, run.num_samples // (world.size * config.batch_size))
+            max_learners = min(config.max_learners, run.num_samples // run.sampler.step_size(1, run.hp.batch_size))
             layout = run.layout
             bytes_per_learner = (layout.num_state + 2 * layout.num_params) * run.central.z.element_size()
             self.tuner = AutoTuner(

@@ -10,7 +10,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "mixed")
 ENGINES = ("auto", "sequential", "threads", "streams")
 COMMS = ("auto", "mpi", "nccl")
 HIERARCHIES = ("auto", "flat", "node")
@@ -46,8 +46,19 @@ class Config:
     """Directory with the dataset files (ignored by synthetic datasets)."""
     learners: int | str = 2
     """Model replicas (learners) per rank, each with its own batches and momentum; `auto`: tune by throughput."""
-    batch_size: int = 16
-    """Samples per learner per iteration."""
+    batch_size: int | tuple[int, ...] = 16
+    """Samples per learner per iteration: one value for every rank, or one per rank (`64,64,8,8`)."""
+    adaptive_batch: bool = False
+    """Adapt each rank's batch size to its speed every `adapt_every` steps, so that the ranks' steps take equal
+    time (by `batch_step`, within [`batch_min`, `batch_max`])."""
+    adapt_every: int = 20
+    """With `adaptive_batch`: steps per measurement window."""
+    batch_min: int = 1
+    """With `adaptive_batch`: smallest batch size per learner."""
+    batch_max: int = 1024
+    """With `adaptive_batch`: largest batch size per learner."""
+    batch_step: int = 1
+    """With `adaptive_batch`: change of a rank's batch size per window."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""
@@ -99,7 +110,8 @@ class Config:
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
     seconds because a rank stopped taking part (0: never)."""
     device: str = "auto"
-    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`; a rank's GPU is chosen by its local rank."""
+    """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or one of these per rank (`cuda,cpu,cpu`); `mixed`:
+    the node's first ranks on its GPUs, one each, the rest on CPU cores. A rank's GPU is chosen by its local rank."""
     comm: str = "auto"
     """Transport of the allreduce: `nccl` (CuPy, one GPU per rank), `mpi` (mpi4py, host staging for GPUs), or
     `auto` (NCCL when every rank has its own GPU and CuPy is present, else MPI)."""
@@ -109,8 +121,9 @@ class Config:
     several nodes and MPI is the transport)."""
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
-    threads: int = 0
-    """Intra-op threads per rank; 0: the CPUs the rank is bound to, shared with the node's ranks bound to them."""
+    threads: int | tuple[int, ...] = 0
+    """Intra-op threads per rank, one value or one per rank; 0: the CPUs the rank is bound to, shared with the
+    node's ranks bound to them."""
     pipeline_stages: int = 1
     """Split each learner's model into this many stages on consecutive ranks (pipeline parallelism); the ranks
     divided by the stages are the pipelines, which run data-parallel."""
@@ -148,7 +161,6 @@ class Config:
 
         choices = {
             "algorithm": tuple(algorithms),
-            "device": DEVICES,
             "engine": ENGINES,
             "comm": COMMS,
             "hierarchy": HIERARCHIES,
@@ -162,6 +174,12 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ConfigError(
                     f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})"
+                )
+        for device in self.device.split(","):
+            if device not in DEVICES or device == "mixed" and "," in self.device:
+                raise ConfigError(
+                    f"--device: unknown value {device!r} (choose from {', '.join(DEVICES)}, or one of "
+                    f"{', '.join(DEVICES[:3])} per rank)"
                 )
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
@@ -178,9 +196,13 @@ class Config:
             "pipeline_stages",
             "micro_batches",
             "probe_seconds",
+            "adapt_every",
+            "batch_min",
+            "batch_max",
+            "batch_step",
         )
         for name in positive:
-            if not getattr(self, name) > 0:
+            if not min(values(getattr(self, name))) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         non_negative = (
             "lr",
@@ -199,9 +221,15 @@ class Config:
             "collective_timeout",
         )
         for name in non_negative:
-            if not getattr(self, name) >= 0:
+            if not min(values(getattr(self, name))) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
-        if self.micro_batches > self.batch_size:
+        if self.batch_min > self.batch_max:
+            raise ConfigError(f"--batch-min {self.batch_min} exceeds --batch-max {self.batch_max}")
+        if self.pipeline_stages > 1 and (isinstance(self.batch_size, tuple) or self.adaptive_batch):
+            raise ConfigError(
+                "--pipeline-stages needs one --batch-size for every rank: no per-rank or adaptive batch sizes"
+            )
+        if self.micro_batches > min(values(self.batch_size)):
             raise ConfigError(f"--micro-batches {self.micro_batches} exceeds the --batch-size {self.batch_size}")
         if self.pipeline_stages > 1 and self.learners == "auto":
             raise ConfigError("--pipeline-stages needs a fixed number of --learners (pipelines per rank), not auto")
@@ -242,6 +270,23 @@ class Config:
         return cls(**kwargs)
 
 
+def values(value) -> tuple:
+    """Return a field's value as a tuple: its per-rank values, or the one value."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def per_rank(config: Config, name: str, size: int) -> tuple:
+    """Return the field's value for each of `size` ranks: one value repeated, or its per-rank list; ConfigError
+    when the list's length is not `size`."""
+    value = getattr(config, name)
+    listed = tuple(value.split(",")) if name == "device" else values(value)
+    if len(listed) == 1:
+        return listed * size
+    if len(listed) != size:
+        raise ConfigError(f"--{_flag(name)} lists {len(listed)} values, one per rank, but there are {size} ranks")
+    return listed
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -258,6 +303,8 @@ def _has_type(value, kind: str) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "int | str":
         return _has_type(value, "int") or isinstance(value, str)
+    if kind == "int | tuple[int, ...]":
+        return all(_has_type(v, "int") for v in values(value)) and values(value) != ()
     if kind == "float":
         return _is_number(value)
     if kind == "str":
@@ -276,14 +323,14 @@ def coerce(f: dataclasses.Field, value):
             if not isinstance(value, str) or value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
             return value.lower() in ("true", "1", "yes")
+        if kind == "int | tuple[int, ...]":
+            items = value.split(",") if isinstance(value, str) else list(values(value))
+            listed = tuple(coerce_int(v) for v in items)
+            return listed[0] if len(listed) == 1 else listed
         if kind == "int | str" and value == "auto":
             return value
         if kind in ("int", "int | str"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return int(value)
+            return coerce_int(value)
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError(value)
@@ -300,6 +347,13 @@ def coerce(f: dataclasses.Field, value):
     except (TypeError, ValueError):
         raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {kind})") from None
     raise AssertionError(f"unhandled field type {kind}")
+
+
+def coerce_int(value) -> int:
+    """Convert a value to an int; ValueError for a bool or a fractional number."""
+    if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return int(value)
 
 
 def load_toml(path: str) -> dict:

@@ -35,6 +35,8 @@ class Step:
     """This rank's learners' losses (on the device)."""
     seconds: float
     """Host time of the step on this rank."""
+    compute_s: float
+    """Host time of the step on this rank before its sync (batches, gradients, injected delay)."""
 
 
 class Run:
@@ -84,21 +86,23 @@ class Run:
     def train_step(self, lr: float) -> Step:
         """Take one global step: batches → gradients → each learner's local update → sync."""
         started = time.perf_counter()
-        state, k, batch_size = self.state, self.learners.k, self.hp.batch_size
-        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_size)
+        state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
+        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_sizes)
         losses = self.engine.compute_gradients(self.learners, batches)
-        samples = self.sampler.step_size(k, batch_size)
-        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_size)
+        samples = self.sampler.step_size(k, batch_sizes)
+        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_sizes)
         if self.imbalance is not None:
             world = self.topology.world
             time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
+        computed = time.perf_counter()
+        self.algorithm.weigh(batch_sizes, self.topology.data.rank)
         self.engine.local_step(self.algorithm, lr)
         self.engine.sync(self.algorithm, lr)
         self.learners.share_extra_state()
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k
-        return Step(samples, losses, time.perf_counter() - started)
+        return Step(samples, losses, time.perf_counter() - started, computed - started)
 
     def settle(self) -> None:
         """Order what follows after the queued device work, collect the summed losses into the state and bring every
@@ -131,7 +135,11 @@ class Run:
         momentum and keeps the RNGs seeded from the seed and this rank."""
         self.engine.synchronize()
         self.state = TrainState.from_dict(snapshot["train"])
-        self.hp.update(**snapshot["hyperparams"])
+        hyperparams = dict(snapshot["hyperparams"])
+        sizes = hyperparams["batch_size"]
+        if isinstance(sizes, (list, tuple)) and len(sizes) != self.topology.data.size:
+            del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
+        self.hp.update(**hyperparams)
         self.central.load_state_dict(snapshot["central"])
         self.algorithm.load_state_dict(snapshot["algorithm"])
         rows = snapshot["learners"]

@@ -136,11 +136,14 @@ def warn_on_local_rank_disagreement(local_rank: int, environ=os.environ) -> None
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:
-    """Pick this rank's device: its local rank's GPU, or the CPU."""
+    """Pick this rank's device: its local rank's GPU, or the CPU (`mixed`: the CPU for local ranks beyond the
+    node's GPUs)."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available")
+        raise ConfigError(f"--device {requested}: no CUDA device is available")
+    if requested == "mixed" and local_rank >= torch.cuda.device_count():
+        return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -76,8 +76,8 @@ class HyperParams(_Serialised):
     """SMA: fraction of each learner's difference to z moved per sync."""
     central_momentum: float
     """SMA: momentum μ_z of the central model's updates."""
-    batch_size: int
-    """Samples per learner per step on this rank."""
+    batch_size: int | tuple[int, ...]
+    """Samples per learner per step: one for every rank of the data scope, or one per rank."""
 
     @classmethod
     def from_config(cls, config) -> "HyperParams":
@@ -87,6 +87,7 @@ class HyperParams(_Serialised):
         """Change some values; return {name: [old, new]} for those that changed."""
         changed = {}
         for name, value in changes.items():
+            value = tuple(value) if isinstance(value, list) else value  # a per-rank value read back from JSON
             old = getattr(self, name)
             if old != value:
                 changed[name] = [old, value]

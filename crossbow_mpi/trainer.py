@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from crossbow_mpi import checkpoint, runtime
+from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
-from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.config import Config, ConfigError, per_rank
 from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
@@ -97,9 +98,12 @@ class Trainer:
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
         local_rank, local_size, cpu_share = runtime.node_placement(world.mpi_comm)
-        self.device = agree(world, lambda: runtime.select_device(config.device, local_rank))
+        device, threads = agree(
+            world, lambda: [per_rank(config, n, world.size)[world.rank] for n in ("device", "threads")]
+        )
+        self.device = agree(world, lambda: runtime.select_device(device, local_rank))
         agree(world, lambda: check_engine(config.engine, self.device))
-        self.threads = runtime.set_threads(config.threads, cpu_share, announce=world.rank == 0)
+        self.threads = runtime.set_threads(threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         if config.pipeline_stages > 1:
             data_comm = (
@@ -164,6 +168,9 @@ class Trainer:
         agree(world, lambda: _check_test_set(test_set))
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
         agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
+        if cfg.adaptive_batch:
+            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
+            controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
             if cfg.groups == "auto":
@@ -258,7 +265,7 @@ def _check_test_set(test_set) -> None:
 
 
 def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> None:
-    step = learners * world_size * cfg.batch_size
+    step = learners * sum(per_rank(cfg, "batch_size", world_size))
     if step > len(train_set):
         raise ConfigError(
             f"one global step needs {step} samples (learners × ranks × batch size) "

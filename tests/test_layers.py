@@ -15,7 +15,7 @@ PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
     4: ["train", "export", "report", "plan"],
     3: ["trainer", "components", "run", "checkpoint", "optimizer"],
-    2: ["algorithms", "tuner", "schedule"],
+    2: ["algorithms", "tuner", "schedule", "adaptive"],
     1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
     0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state", "projection"],
 }

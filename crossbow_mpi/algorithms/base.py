@@ -24,6 +24,9 @@ class Algorithm:
     name = "base"
     transport_kind = "allreduce"
     """The transport the algorithm reduces over: `allreduce` (the data scope's) or `partial` (eager-SGD's)."""
+    weighs_by_samples = False
+    """Whether each learner's part of the sync message is weighted by its batch size, so that the sync averages
+    over samples (S-SGD, eager-SGD), rather than counted once, so that it averages over learners."""
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
     learner reads before its own `local_step`."""
@@ -34,15 +37,27 @@ class Algorithm:
         self.central = central
         self.learners = learners
         self.staged = torch.empty(0)
-        """Row j: learner j's part of the sync message [its part | its float buffers | 1 (it counts itself)]."""
+        """Row j: learner j's part of the sync message, times its weight [its part | its float buffers | its weight]."""
         self.message = torch.empty(0)
-        """The sync message: the sum of the staged rows; its last element counts the learners it carries."""
+        """The sync message: the sum of the staged rows; its last element sums the weights of the learners it
+        carries."""
+        self.weights: tuple[float, ...] = (1.0,) * transport.size
+        """Each rank's learner weight in the sync message: 1, or b_r / max_q b_q when weighing by samples."""
+        self.weight = 1.0
+        """This rank's learner weight."""
 
     def step(self, lr: float) -> None:
         """Apply one iteration's local update and synchronisation."""
         self.allocate_message()
         self.local_step(slice(None), lr)
         self.sync(lr)
+
+    def weigh(self, batch_sizes: tuple[int, ...], rank: int) -> None:
+        """Set the learners' weights for a step with these batch sizes per rank (before `local_step`)."""
+        if self.weighs_by_samples:
+            largest = max(batch_sizes)
+            self.weights = tuple(b / largest for b in batch_sizes)
+            self.weight = self.weights[rank]
 
     def allocate_message(self) -> None:
         """(Re)allocate the staged rows and the message for the current number of learners, before `local_step`
@@ -82,19 +97,22 @@ class Algorithm:
         """Restore what `state_dict` returned."""
 
     def staged_rows(self, rows: slice) -> torch.Tensor:
-        """Return the staged rows' first part (one column per parameter), staging the learners' buffers beside it."""
+        """Return the staged rows' first part (one column per parameter), staging the learners' weighted buffers and
+        weight beside it; the caller stages its part times `weight`."""
         learners = self.learners
         assert self.staged.shape[0] == learners.k, "allocate_message() before local_step()"
         num_params = learners.layout.num_params
-        self.staged[rows, num_params:-1] = learners.buffers[rows]
+        self.staged[rows, num_params:-1] = learners.buffers[rows] * self.weight
+        self.staged[rows, -1] = self.weight
         return self.staged[rows, :num_params]
 
     def allreduce_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reduce [sum of the staged rows' first parts | sum of the learners' buffers | learners] as one message;
-        return the first part and the number of learners the reduction carried (a one-element tensor).
+        """Reduce [sum of the staged rows' first parts | weighted sum of the learners' buffers | sum of their weights]
+        as one message; return the first part and the summed weight of the learners the reduction carried (a
+        one-element tensor: the number of learners, when every weight is 1).
 
-        BatchNorm running statistics follow one rule for every algorithm: z's buffers become the mean of the
-        buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
+        BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
+        the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
         num_params, message = self.learners.layout.num_params, self.message
         torch.sum(self.staged, 0, out=message)

@@ -3,7 +3,8 @@
 At every step each rank puts the sum of its learners' gradients into its accumulator and applies its next round n
 (crossbow_mpi.comm.partial: solo or majority rounds, a synchronous one at least every `--eager-sync-every`):
 
-    g_n = (1 / kP) Σ_{contributions carried by round n} Σ_j ∇ℓ(w_j)     (a late one lands in a later round)
+    g_n = Σ_{contributions carried by round n} Σ_j ω_r ∇ℓ(w_j) / (k Σ_ranks ω_r)   (a late one lands in a later
+                                                                                 round; ω_r as in S-SGD)
     d = g_n + λ z;  u ← μ u + d;  z ← z − η u;  every learner becomes z
 
 This is SynchronousSGD's step over the partial allreduce (its transport), dividing by every learner of every rank
@@ -34,7 +35,7 @@ class EagerSGD(SynchronousSGD):
         super().sync(lr)
 
     def gradient_divisor(self, carried: torch.Tensor) -> int:
-        return self.learners.k * self.transport.size
+        return self.learners.k * sum(self.weights)
 
     def drain(self) -> None:
         if self.transport.drain():

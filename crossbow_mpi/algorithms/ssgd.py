@@ -1,6 +1,7 @@
-"""Synchronous SGD: average every learner's gradient, one momentum step of z, learners become z.
+"""Synchronous SGD: average every learner's gradient by samples, one momentum step of z, learners become z.
 
-g = (1 / K) Σ_ranks Σ_j ∇ℓ(w_j)          (w_j = z for every learner; K learners over all ranks)
+g = Σ_ranks Σ_j ω_r ∇ℓ(w_j) / Σ_ranks Σ_j ω_r    (w_j = z for every learner; ω_r = b_r / max_q b_q, so that g is
+                                                  the mean over every sample of the step; all 1 for equal batches)
 d = g + λ z;  u ← μ u + d;  z ← z − η u
 """
 
@@ -13,9 +14,10 @@ from crossbow_mpi.algorithms.base import Algorithm
 
 class SynchronousSGD(Algorithm):
     name = "ssgd"
+    weighs_by_samples = True
 
     def local_step(self, rows: slice, lr: float) -> None:
-        self.staged_rows(rows).copy_(self.learners.grads[rows])
+        torch.mul(self.learners.grads[rows], self.weight, out=self.staged_rows(rows))
 
     def sync(self, lr: float) -> None:
         hp, central = self.hp, self.central
@@ -27,5 +29,5 @@ class SynchronousSGD(Algorithm):
         self.learners.reset_to(central.z)
 
     def gradient_divisor(self, carried: torch.Tensor) -> torch.Tensor | int:
-        """Return K, the learners whose gradients one step averages: those the allreduce carried."""
+        """Return the summed weight of the learners whose gradients one step averages: those the allreduce carried."""
         return carried

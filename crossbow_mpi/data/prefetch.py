@@ -8,6 +8,8 @@ On a CPU there is nothing to overlap: `batches` fetches, `prefetch` does nothing
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
@@ -37,7 +39,7 @@ class BatchPrefetcher:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ahead: tuple[tuple, list[Batch], torch.cuda.Event] | None = None
 
-    def batches(self, epoch: int, offset: int, learners: int, batch_size: int) -> list[Batch]:
+    def batches(self, epoch: int, offset: int, learners: int, batch_size: int | Sequence[int]) -> list[Batch]:
         """Return the k batches of the step at `offset` of `epoch`, ready for work on the current stream."""
         position = (epoch, offset, learners, batch_size)
         ahead, self.ahead = self.ahead, None
@@ -51,7 +53,7 @@ class BatchPrefetcher:
                 tensor.record_stream(current)
         return batches
 
-    def prefetch(self, epoch: int, offset: int, learners: int, batch_size: int) -> None:
+    def prefetch(self, epoch: int, offset: int, learners: int, batch_size: int | Sequence[int]) -> None:
         """Start copying the batches of the step at `offset` of `epoch`, if it fits in the epoch (GPU only)."""
         if self.stream is None or not self.sampler.fits(offset, learners, batch_size):
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from crossbow_mpi.data.datasets import DataError
@@ -10,8 +12,10 @@ from crossbow_mpi.data.datasets import DataError
 class GlobalSampler:
     """Give learner j of rank r its batch for the global step that starts at `offset` in the epoch.
 
-    A global step takes k·P·b consecutive samples of the epoch's permutation; learner j of rank r gets
-    the b samples at offset + (r·k + j)·b. No sample appears twice in an epoch, whatever k is at each step.
+    With k learners per rank and b_q samples per learner on rank q, a global step takes k·Σ_q b_q consecutive
+    samples of the epoch's permutation; learner j of rank r gets the b_r samples at
+    offset + k·Σ_{q<r} b_q + j·b_r. No sample appears twice in an epoch, whatever k and the b_q are at each step.
+    A batch size given as one number is every rank's.
     """
 
     def __init__(self, num_samples: int, seed: int, rank: int, world_size: int):
@@ -29,18 +33,26 @@ class GlobalSampler:
             self._epoch = epoch
         return self._permutation
 
-    def step_size(self, learners: int, batch_size: int) -> int:
-        return learners * self.world_size * batch_size
+    def batch_sizes(self, batch_size: int | Sequence[int]) -> tuple[int, ...]:
+        """Return every rank's batch size."""
+        sizes = (batch_size,) * self.world_size if isinstance(batch_size, int) else tuple(batch_size)
+        assert len(sizes) == self.world_size, f"{len(sizes)} batch sizes for {self.world_size} ranks"
+        return sizes
 
-    def fits(self, offset: int, learners: int, batch_size: int) -> bool:
+    def step_size(self, learners: int, batch_size: int | Sequence[int]) -> int:
+        return learners * sum(self.batch_sizes(batch_size))
+
+    def fits(self, offset: int, learners: int, batch_size: int | Sequence[int]) -> bool:
         """Tell whether a full global step starting at `offset` fits in the epoch."""
         return offset + self.step_size(learners, batch_size) <= self.num_samples
 
-    def indices(self, epoch: int, offset: int, learners: int, batch_size: int) -> torch.Tensor:
-        """Return this rank's [learners, batch_size] sample indices."""
+    def indices(self, epoch: int, offset: int, learners: int, batch_size: int | Sequence[int]) -> torch.Tensor:
+        """Return this rank's [learners, its batch size] sample indices."""
         assert self.fits(offset, learners, batch_size)
-        start = offset + self.rank * learners * batch_size
-        return self.permutation(epoch)[start : start + learners * batch_size].view(learners, batch_size)
+        sizes = self.batch_sizes(batch_size)
+        start = offset + learners * sum(sizes[: self.rank])
+        mine = sizes[self.rank]
+        return self.permutation(epoch)[start : start + learners * mine].view(learners, mine)
 
 
 def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -223,3 +223,25 @@ def test_ssgd_and_eager_on_streams_agree_with_sequential_on_gpu(comm, shared_tmp
         )
         results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mixed_devices_with_unequal_batches_train_like_single_process_sgd(comm, shared_tmp):
+    from torch.nn.utils import parameters_to_vector
+
+    from reference import sgd_reference
+    from test_algorithms import mlp
+
+    sizes, steps = (8, 2, 2, 2)[: comm.size], 10
+    train = synthetic_dataset((1, 6, 6), 10, steps * sum(sizes), seed=0)
+    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
+    values = dict(epochs=1, eval_every=0, target_accuracy=0, seed=7, lr=0.05, momentum=0.9, weight_decay=0.001)
+    cfg = Config(
+        run_dir=str(shared_tmp / "run"), device="mixed", algorithm="ssgd", learners=1, batch_size=sizes, **values
+    )
+    trainer = Trainer(cfg, comm)
+    on_gpu = trainer.topology.local_rank < torch.cuda.device_count()
+    assert trainer.device.type == ("cuda" if on_gpu else "cpu")
+    result = trainer.fit(mlp, train, test)
+    model = sgd_reference(mlp, cfg, train, sum(sizes), steps)
+    assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-4

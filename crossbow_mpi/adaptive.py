@@ -1,0 +1,68 @@
+"""Adaptive batch sizes (Ma and Rusu's Adaptive Hogbatch rule, for the synchronous algorithms): every window of
+`every` steps, compare each rank's share of the updates it would make at its own pace with 1/P and move its batch
+size by `step` within [`smallest`, `largest`]:
+
+    p_i = (1 / t_i) / Σ_q (1 / t_q)      t_i: rank i's mean compute seconds per step in the window
+    p_i > 1/P and b_i < largest:  b_i += step;     p_i < 1/P and b_i > smallest:  b_i −= step
+
+A faster rank gets a larger batch, so the step times even out and no rank waits at the sync; S-SGD still
+averages by samples. It is a controller: it returns `batch_size`, one per rank, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from crossbow_mpi.comm import Communicator
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """The bounds and the increment of the adaptive batch sizes."""
+
+    every: int
+    """Steps per measurement window."""
+    smallest: int
+    """Smallest batch size per learner."""
+    largest: int
+    """Largest batch size per learner."""
+    step: int
+    """Change of a rank's batch size per window."""
+
+
+def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Return the batch sizes after one window in which rank i's share of the updates was shares[i]."""
+    fair = 1.0 / len(sizes)
+    adapted = []
+    for share, size in zip(shares, sizes):
+        if share > fair and size < policy.largest:
+            size = min(size + policy.step, policy.largest)
+        elif share < fair and size > policy.smallest:
+            size = max(size - policy.step, policy.smallest)
+        adapted.append(size)
+    return tuple(adapted)
+
+
+@dataclass
+class AdaptiveBatch:
+    """Balance the ranks' step times by their batch sizes (see the module docstring); `history` holds every
+    window's iteration, shares and batch sizes."""
+
+    policy: BatchPolicy
+    scope: Communicator
+    seconds: float = 0.0
+    steps: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def __call__(self, run, step) -> dict | None:
+        self.seconds += step.compute_s
+        self.steps += 1
+        if self.steps < self.policy.every:
+            return None
+        speeds = [1.0 / max(t, 1e-9) for t in self.scope.allgather_json(self.seconds / self.steps)]
+        self.seconds, self.steps = 0.0, 0
+        shares = [s / sum(speeds) for s in speeds]
+        current = run.sampler.batch_sizes(run.hp.batch_size)
+        sizes = adapt(self.policy, shares, current)
+        self.history.append({"iteration": run.state.iteration, "shares": shares, "batch_sizes": list(sizes)})
+        return {"batch_size": sizes} if sizes != current else None

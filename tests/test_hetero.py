@@ -1,0 +1,212 @@
+"""Heterogeneous ranks: per-rank batch sizes, devices and threads; S-SGD averages unequal batches by samples."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_user_inputs import ALGORITHMS
+from torch.nn.utils import parameters_to_vector
+
+from crossbow_mpi import Config, ConfigError, Trainer, runtime
+from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy, adapt
+from crossbow_mpi.config import per_rank
+from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.data.sampler import GlobalSampler
+from crossbow_mpi.train import parse_config
+
+from conftest import run_job
+from reference import relative_error, sgd_reference
+from test_algorithms import mlp, run_config
+
+STEPS = 12
+SIZES = (3, 5, 2, 6)
+"""Batch sizes of ranks 0..3 (the first P of them at P ranks)."""
+
+
+def test_batch_size_and_threads_take_one_value_or_one_per_rank():
+    config = parse_config(["--batch-size", "64,64,8,8", "--threads", "2,1,1,1", "--device", "cuda,cpu,cpu,cpu"])
+    config.validate(ALGORITHMS)
+    assert config.batch_size == (64, 64, 8, 8) and config.threads == (2, 1, 1, 1)
+    assert per_rank(config, "device", 4) == ("cuda", "cpu", "cpu", "cpu")
+    assert per_rank(config, "batch_size", 4)[2] == 8
+    assert parse_config(["--batch-size", "16"]).batch_size == 16
+    assert per_rank(parse_config(["--batch-size", "16"]), "batch_size", 3) == (16, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "8,0"], "--batch-size must be positive"),
+        (["--batch-size", "8,x"], "--batch-size: invalid value"),
+        (["--threads", "1,-1"], "--threads must not be negative"),
+        (["--device", "mixed,cpu"], "--device: unknown value 'mixed'"),
+        (["--device", "cpu,gpu"], "--device: unknown value 'gpu'"),
+        (["--batch-size", "8,4", "--pipeline-stages", "2"], "one --batch-size for every rank"),
+    ],
+)
+def test_bad_per_rank_values_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv).validate(ALGORITHMS)
+
+
+def test_a_per_rank_list_of_the_wrong_length_is_a_config_error():
+    with pytest.raises(ConfigError, match="--batch-size lists 3 values, one per rank, but there are 4 ranks"):
+        per_rank(Config(batch_size=(1, 2, 3)), "batch_size", 4)
+
+
+def test_a_per_rank_list_of_the_wrong_length_exits_2_with_one_line(tmp_path):
+    args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--batch-size", "8,8,8"]
+    job = run_job(2, args, timeout=90)
+    ours = {line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")}
+    assert job.returncode == 2 and len(ours) == 1 and "Traceback" not in job.stderr, job.stderr
+    assert "--batch-size lists 3 values" in job.stderr
+
+
+def fake_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+
+
+def test_mixed_puts_the_first_local_ranks_on_gpus_and_the_rest_on_cpu(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    placed = [runtime.select_device("mixed", local_rank) for local_rank in range(4)]
+    assert placed == [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu"), torch.device("cpu")]
+
+
+def test_mixed_without_a_gpu_is_a_config_error(monkeypatch):
+    fake_gpus(monkeypatch, 0)
+    with pytest.raises(ConfigError, match="--device mixed: no CUDA device"):
+        runtime.select_device("mixed", 0)
+
+
+def test_unequal_batch_sizes_cut_disjoint_rank_major_slices():
+    sizes = SIZES
+    samplers = [GlobalSampler(200, 5, rank, len(sizes)) for rank in range(len(sizes))]
+    order = samplers[0].permutation(0)
+    offset, seen = 0, []
+    for k in (1, 2, 2, 1, 3):
+        assert samplers[0].step_size(k, sizes) == k * sum(sizes)
+        start = offset
+        for rank, sampler in enumerate(samplers):
+            rows = sampler.indices(0, offset, k, sizes)
+            assert rows.shape == (k, sizes[rank])
+            assert torch.equal(rows.reshape(-1), order[start : start + k * sizes[rank]])
+            start += k * sizes[rank]
+            seen.append(rows.reshape(-1))
+        offset += k * sum(sizes)
+    seen = torch.cat(seen).tolist()
+    assert len(seen) == len(set(seen)) == 9 * sum(sizes)
+
+
+def test_equal_batch_sizes_per_rank_give_the_single_values_indices():
+    for rank in range(3):
+        sampler = GlobalSampler(100, 2, rank, 3)
+        assert torch.equal(sampler.indices(0, 12, 2, (4, 4, 4)), sampler.indices(0, 12, 2, 4))
+
+
+class Recording:
+    """A dataset that records the indices of every training batch it gives."""
+
+    def __init__(self, dataset):
+        self.dataset, self.used = dataset, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def get_batch(self, indices):
+        self.used.append(indices.clone())
+        return self.dataset.get_batch(indices)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("learners", [1, 3])
+def test_ssgd_with_unequal_batches_equals_single_process_sgd_on_the_union_batch(comm, shared_tmp, learners):
+    sizes = SIZES[: comm.size]
+    aggregate = learners * sum(sizes)
+    train = Recording(synthetic_dataset((1, 6, 6), 10, STEPS * aggregate, seed=0))
+    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
+    cfg = run_config(shared_tmp, algorithm="ssgd", learners=learners, batch_size=sizes, engine="sequential")
+    trainer = Trainer(cfg, comm)
+    result = trainer.fit(mlp, train, test)
+    assert result.iterations == STEPS
+
+    model = sgd_reference(mlp, cfg, train.dataset, aggregate, STEPS)
+    assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-5
+    training = [i for i in train.used if len(i) == sizes[comm.rank]][: STEPS * learners]
+    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    assert sorted(used) == list(range(STEPS * aggregate)), "every sample of the epoch once"
+
+
+def test_adapt_grows_the_faster_ranks_batches_and_shrinks_the_slower_within_bounds():
+    policy = BatchPolicy(every=5, smallest=2, largest=9, step=2)
+    assert adapt(policy, [0.4, 0.4, 0.2], (8, 4, 6)) == (9, 6, 4)
+    assert adapt(policy, [0.2, 0.5, 0.3], (3, 9, 2)) == (2, 9, 2)
+    assert adapt(policy, [0.5, 0.5], (4, 6)) == (4, 6)
+
+
+def test_batch_min_above_batch_max_is_a_config_error():
+    with pytest.raises(ConfigError, match="--batch-min 9 exceeds --batch-max 8"):
+        parse_config(["--adaptive-batch", "--batch-min", "9", "--batch-max", "8"]).validate(ALGORITHMS)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_adaptive_batch_gives_a_slow_rank_a_smaller_batch_and_the_faster_ones_larger(comm):
+    slow = comm.size - 1
+    run = SimpleNamespace(
+        sampler=GlobalSampler(1000, 1, comm.rank, comm.size),
+        hp=SimpleNamespace(batch_size=16),
+        state=SimpleNamespace(iteration=3),
+    )
+    controller = AdaptiveBatch(BatchPolicy(every=3, smallest=4, largest=32, step=4), comm)
+    step = SimpleNamespace(compute_s=1.0 if comm.rank == slow and comm.size > 1 else 0.25)
+    assert controller(run, step) is None and controller(run, step) is None
+    changes = controller(run, step)
+    if comm.size == 1:
+        assert changes is None, "one rank makes every update"
+        return
+    assert changes == {"batch_size": (20,) * slow + (12,)}
+    assert controller.history[0]["shares"][slow] == pytest.approx(1 / (4 * slow + 1))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, shared_tmp):
+    train = Recording(synthetic_dataset((1, 6, 6), 10, 2000, seed=0))
+    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="ssgd",
+        learners=1,
+        batch_size=16,
+        engine="sequential",
+        adaptive_batch=True,
+        adapt_every=2,
+        batch_min=4,
+        batch_max=32,
+        batch_step=4,
+        inject_imbalance=f"slow-rank:{comm.size - 1}:8" if comm.size > 1 else "",
+    )
+    result = Trainer(cfg, comm).fit(mlp, train, test)
+    records = [json.loads(line) for line in (shared_tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    changes = [r["changes"]["batch_size"] for r in records if r.get("event") == "hyperparams"]
+    assert (changes == []) == (comm.size == 1), changes
+    assert all(4 <= b <= 32 for _, sizes in changes for b in sizes)
+    training = [i for i in train.used if len(i) != 1][: result.iterations]
+    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_snapshot_keeps_per_rank_batch_sizes_unless_the_ranks_are_fewer_or_more(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 400, seed=0)
+    run = Trainer(run_config(shared_tmp, learners=1, batch_size=8), comm).start(mlp, train)
+    snapshot = run.state_dict()
+    adapted = [4 + r for r in range(comm.size)]  # as JSON reads a tuple back
+    run.load_state_dict({**snapshot, "hyperparams": {**snapshot["hyperparams"], "batch_size": adapted}})
+    assert run.hp.batch_size == (tuple(adapted) if comm.size > 1 else (4,))
+    assert run.sampler.indices(0, 0, 1, run.hp.batch_size).shape == (1, 4 + comm.rank)
+    run.load_state_dict({**snapshot, "hyperparams": {**snapshot["hyperparams"], "batch_size": adapted * 2}})
+    assert run.hp.batch_size == (tuple(adapted) if comm.size > 1 else (4,)), "sizes of another job size: kept"
