@@ -378,7 +378,8 @@ def test_pbs_with_open_mpis_mpirun_checkpoints_before_the_walltime(batch_dir):
         PBS_JOBID="8.server",
         PBS_NODEFILE=str(nodefile),
         PBS_O_WORKDIR=str(root),
-        TRAIN_ARGS="--dataset synthetic-mnist --model mlp --epochs 5 --target-accuracy 0",
+        # far more epochs than fit before the signal, so that the signal always stops the run
+        TRAIN_ARGS="--dataset synthetic-mnist --model mlp --epochs 10000 --target-accuracy 0",
     )
     job = subprocess.run(["bash", "launch/pbs.sh"], capture_output=True, text=True, timeout=120, cwd=root, env=env)
     assert job.returncode == 75, job.stderr
