@@ -150,3 +150,16 @@ def test_auto_learners_change_consistently_and_sma_equations_hold(comm, shared_t
         k = changes.get(iteration + 1, k)
     reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, learners_per_step)
     assert relative_error(result.central, reference) < 1e-6
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_threads_engine_runs_a_lone_learner_on_the_calling_thread(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    cfg = Config(run_dir=str(shared_tmp / "one"), engine="threads", learners=1, batch_size=8, threads=2, seed=4)
+    run = Trainer(cfg, comm).start(convnet, train)
+    run.train_step(0.05)
+    assert run.engine.pool is None, "a worker thread ran the only learner"
+    run.resize(2)
+    run.train_step(0.05)
+    assert run.engine.workers == 2
+    run.engine.close()
