@@ -24,8 +24,8 @@ def mlp_bn_float64() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10)).double()
 
 
-def datasets(world_size: int, learners: int):
-    train = synthetic_dataset((1, 6, 6), 10, STEPS * world_size * learners * BATCH, seed=0)
+def datasets(world_size: int, learners: int, steps: int = STEPS):
+    train = synthetic_dataset((1, 6, 6), 10, steps * world_size * learners * BATCH, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
     return train, test
 

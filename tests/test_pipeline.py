@@ -11,16 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crossbow_mpi import Config, Trainer
+from crossbow_mpi import Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.models import LeNet
 from crossbow_mpi.pipeline import schedule_ops
 from crossbow_mpi.stages import split_model
 
 from conftest import run_job
 from reference import float_buffers, load_state, relative_error, sgd_reference, sma_reference
+from test_algorithms import datasets as algorithm_datasets
+from test_algorithms import run_config
 
 STEPS = 12
 BATCH = 4
@@ -44,25 +45,7 @@ def needs_stages(comm, stages: int) -> None:
 
 
 def datasets(pipelines: int, learners: int):
-    train = synthetic_dataset((1, 6, 6), 10, STEPS * pipelines * learners * BATCH, seed=0)
-    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
-    return train, test
-
-
-def run_config(tmp, **overrides) -> Config:
-    values = dict(
-        run_dir=str(tmp / "run"),
-        batch_size=BATCH,
-        epochs=1,
-        eval_every=0,
-        target_accuracy=0,
-        seed=7,
-        lr=0.05,
-        momentum=0.9,
-        weight_decay=0.001,
-    )
-    values.update(overrides)
-    return Config(**values)
+    return algorithm_datasets(pipelines, learners, STEPS)
 
 
 def stage_state(model: nn.Module, stages: int, stage: int) -> torch.Tensor:
