@@ -288,6 +288,9 @@ class _NoWatchdog:
     def close(self) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
 
 @dataclass
 class Components:
@@ -344,6 +347,7 @@ class Components:
         self.progress.close()
         run.engine.close()
 
-    def close(self) -> None:
-        self.watchdog.close()
+    def close(self, failed: bool = False) -> None:
+        """Stop the watchdog and close the metrics (collective, unless the run failed on this rank)."""
+        self.watchdog.stop() if failed else self.watchdog.close()
         self.metrics.close()

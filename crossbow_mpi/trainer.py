@@ -175,9 +175,12 @@ class Trainer:
         try:
             if cfg.groups == "auto":
                 OmnivoreOptimizer(cfg, run, parts.metrics, parts.progress).choose()
-            return self._loop(run, parts)
-        finally:
-            parts.close()
+            result = self._loop(run, parts)
+        except BaseException:
+            parts.close(failed=True)
+            raise
+        parts.close()
+        return result
 
     def _loop(self, run: Run, c: Components) -> FitResult:
         """Train until the epoch limit, the target accuracy or a stop signal; evaluate and checkpoint at the end."""

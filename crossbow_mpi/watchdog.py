@@ -34,6 +34,9 @@ class Watchdog:
         peers = range(1, self.size) if self.rank == 0 else [0]
         now = time.monotonic()
         self.heard = {peer: (now, -1, now) for peer in peers}
+        self.sent = np.zeros(self.size, dtype=np.int64)
+        self.received = np.zeros(self.size, dtype=np.int64)
+        """Heartbeats sent to and received from each rank (to receive every one before the channel is freed)."""
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.thread.start()
@@ -44,14 +47,29 @@ class Watchdog:
         self.progressed_at = time.monotonic()
 
     def close(self) -> None:
-        """Stop the thread (call on every rank at the same point, after the last collective)."""
-        self.stopping.set()
-        self.thread.join()
+        """Stop the thread, receive every heartbeat still in flight and free the channel (collective: call on every
+        rank at the same point, after the last collective).
+
+        Open MPI gives a freed communicator's id to the next one made, and a message still in flight would arrive
+        there."""
+        self.stop()
+        expected = np.zeros(self.size, dtype=np.int64)
+        self.channel.alltoall(self.sent, expected)
+        while (self.received < expected).any():
+            self.request.Wait()
+            self._heard(time.monotonic())
+        self.request.Cancel()
+        self.request.Wait()
         self.channel.free()
 
+    def stop(self) -> None:
+        """Stop the thread only (after an error, when the other ranks may be anywhere: nothing collective)."""
+        self.stopping.set()
+        self.thread.join()
+
     def _run(self) -> None:
-        incoming = np.zeros(2, dtype=np.int64)
-        request = self.channel.irecv_any(incoming, HEARTBEAT_TAG)
+        self.incoming = np.zeros(2, dtype=np.int64)
+        self.request = self.channel.irecv_any(self.incoming, HEARTBEAT_TAG)
         sends = []
         next_beat = 0.0
         while not self.stopping.is_set():
@@ -60,19 +78,23 @@ class Watchdog:
                 beat = np.array([self.rank, self.iteration], dtype=np.int64)
                 sends = [r for r in sends if not r.Test()]
                 sends += [self.channel.isend(beat, peer, HEARTBEAT_TAG) for peer in self.heard]
+                self.sent[list(self.heard)] += 1
                 next_beat = now + INTERVAL_S
-            while request.Test():
-                peer, iteration = int(incoming[0]), int(incoming[1])
-                _, previous, since = self.heard[peer]
-                self.heard[peer] = (now, iteration, since if iteration == previous else now)
-                request = self.channel.irecv_any(incoming, HEARTBEAT_TAG)
+            while self.request.Test():
+                self._heard(now)
             missing = self.missing(now)
             if missing:
                 self._abort(missing)
             time.sleep(0.05)
-        request.Cancel()
-        request.Wait()
         self._mpi().Request.Waitall(sends)
+
+    def _heard(self, now: float) -> None:
+        """Record the heartbeat just received and listen for the next one."""
+        peer, iteration = int(self.incoming[0]), int(self.incoming[1])
+        _, previous, since = self.heard[peer]
+        self.heard[peer] = (now, iteration, since if iteration == previous else now)
+        self.received[peer] += 1
+        self.request = self.channel.irecv_any(self.incoming, HEARTBEAT_TAG)
 
     def missing(self, now: float) -> list[int]:
         """Return the peers to blame when this rank has made no progress for `timeout` seconds."""

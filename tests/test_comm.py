@@ -88,3 +88,22 @@ def test_stop_votes_let_a_fast_rank_run_ahead_of_a_slow_one(comm):
     stopping.close()
     if comm.rank != 0:
         assert ahead < 0.5, "a rank waited for the slow rank's votes before their outcome was due"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_closed_watchdog_leaves_no_heartbeat_in_flight(comm):
+    """Open MPI gives a freed communicator's id to the next one made: a heartbeat still in flight when the watchdog
+    freed its channel would arrive on that one."""
+    from crossbow_mpi.watchdog import INTERVAL_S, Watchdog
+
+    watchdog = Watchdog(comm, timeout=60)
+    if comm.rank != 0:
+        time.sleep(2.5 * INTERVAL_S)  # rank 0 closes first; the others go on sending heartbeats
+    watchdog.close()
+    comm.barrier()
+    after = [comm.mpi_comm.Dup() for _ in range(4)]
+    time.sleep(0.5)
+    leaked = [c.Iprobe(source=comm.mpi().ANY_SOURCE, tag=comm.mpi().ANY_TAG) for c in after]
+    for c in after:
+        c.Free()
+    assert not any(leaked), "a heartbeat of the closed watchdog arrived on a communicator made after it"

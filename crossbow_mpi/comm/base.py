@@ -140,6 +140,10 @@ class ControlChannel:
     def irecv(self, values: np.ndarray, source: int, tag: int):
         return self.mpi_comm.Irecv(values, source=source, tag=tag)
 
+    def alltoall(self, values: np.ndarray, out: np.ndarray) -> None:
+        """Send values[i] to rank i; receive rank i's into out[i] (collective)."""
+        self.mpi_comm.Alltoall(values, out)
+
     def free(self) -> None:
         self.mpi_comm.Free()
 
