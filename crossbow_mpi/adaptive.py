@@ -1,12 +1,14 @@
-"""Adaptive batch sizes (Ma and Rusu's Adaptive Hogbatch rule, for the synchronous algorithms): every window of
-`every` steps, compare each rank's share of the updates it would make at its own pace with 1/P and move its batch
-size by `step` within [`smallest`, `largest`]:
+"""Adaptive batch sizes (Ma and Rusu's Adaptive Hogbatch rule): every window of `every` iterations, compare each
+rank's share of the updates p_i with 1/P and move its batch size by `step` within [`smallest`, `largest`]:
 
-    p_i = (1 / t_i) / Σ_q (1 / t_q)      t_i: rank i's mean compute seconds per step in the window
+    p_i = u_i / Σ_q u_q                  asynchronous rounds (hogbatch): u_i the updates rank i made in the window
+    p_i = (1 / t_i) / Σ_q (1 / t_q)      synchronous algorithms: t_i rank i's mean compute seconds per step, so
+                                         p_i is the share of the updates it would make at its own pace
     p_i > 1/P and b_i < largest:  b_i += step;     p_i < 1/P and b_i > smallest:  b_i −= step
 
-A faster rank gets a larger batch, so the step times even out and no rank waits at the sync; S-SGD still
-averages by samples. It is a controller: it returns `batch_size`, one per rank, the same on every rank.
+A faster rank gets a larger batch: update counts even out in hogbatch, step times (so no rank waits at the
+sync) in the synchronous algorithms, where S-SGD still averages by samples. It is a controller: it returns
+`batch_size`, one per rank, the same on every rank.
 """
 
 from __future__ import annotations
@@ -52,16 +54,21 @@ class AdaptiveBatch:
     scope: Communicator
     seconds: float = 0.0
     steps: int = 0
+    updates: int = 0
     history: list[dict] = field(default_factory=list)
 
     def __call__(self, run, step) -> dict | None:
         self.seconds += step.compute_s
         self.steps += 1
+        self.updates += step.updates
         if self.steps < self.policy.every:
             return None
-        speeds = [1.0 / max(t, 1e-9) for t in self.scope.allgather_json(self.seconds / self.steps)]
-        self.seconds, self.steps = 0.0, 0
-        shares = [s / sum(speeds) for s in speeds]
+        if run.algorithm.rounds:
+            rates = [float(u) for u in self.scope.allgather_json(self.updates)]
+        else:
+            rates = [1.0 / max(t, 1e-9) for t in self.scope.allgather_json(self.seconds / self.steps)]
+        self.seconds, self.steps, self.updates = 0.0, 0, 0
+        shares = [r / max(sum(rates), 1e-9) for r in rates]
         current = run.sampler.batch_sizes(run.hp.batch_size)
         sizes = adapt(self.policy, shares, current)
         self.history.append({"iteration": run.state.iteration, "shares": shares, "batch_sizes": list(sizes)})

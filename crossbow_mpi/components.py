@@ -30,7 +30,7 @@ OutputFn = Callable[[object], torch.Tensor]
 EVAL_BATCH = 1000
 STOP_LAG = 16
 """Steps between a stop vote and its outcome: ranks may run this far apart, and stop this many steps after a
-signal."""
+signal (asynchronous algorithms' rounds end where every rank meets: they stop at the round's end)."""
 
 
 class DivergenceError(RuntimeError):
@@ -335,7 +335,7 @@ class Components:
             tuning=tuning,
             controllers=Controllers(controllers, metrics),
             divergence=DivergenceCheck(world),
-            stopping=StopAgreement(world, STOP_LAG, runtime.stop_requested),
+            stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, runtime.stop_requested),
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
             metrics=metrics,
             progress=progress,

@@ -113,9 +113,7 @@ class Learners:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
         state's (all of them, for None) start from z with zero momentum, and the state's extra rows are dropped.
         Every learner takes z's extra state."""
-        extra = self.layout.extra_state(self.central.module)
-        for module in self.modules:
-            self.layout.load_extra_state(module, extra)
+        self.take_extra_state()
         self.reset_to(z)
         self.momentum.zero_()
         if state is None:
@@ -123,6 +121,12 @@ class Learners:
         fit = min(self.k, len(state["weights"]))
         self.weights[:fit] = state["weights"][:fit]
         self.momentum[:fit] = state["momentum"][:fit]
+
+    def take_extra_state(self) -> None:
+        """Give every learner z's frozen parameters and non-float buffers."""
+        extra = self.layout.extra_state(self.central.module)
+        for module in self.modules:
+            self.layout.load_extra_state(module, extra)
 
     def reset_to(self, z: torch.Tensor) -> None:
         """Set every learner's weights to z."""

@@ -7,9 +7,9 @@ probes before training, following the released artifact's cold start:
 3. stop adding groups when a g is less than 10 % faster per iteration than the previous one;
 4. train with the (g, μ, η) of the lowest score.
 
-Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds`; its score is
-the mean training loss over its last 10 steps (infinite when it diverged). Each probe and the choice is a metrics
-record `{"event": "optimizer"}`; the search's seconds count as training time.
+Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
+one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
+probe and the choice is a metrics record `{"event": "optimizer"}`; the search's seconds count as training time.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class OmnivoreOptimizer:
         run.settle()
         run.algorithm.drain()
         snapshot = run.state_dict()
+        round_samples, run.round_samples = run.round_samples, run.sampler.step_size(run.learners.k, run.hp.batch_size)
         for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
             self.probe(snapshot, 1, COLD_MOMENTUM, lr)
         previous = min(p["s_per_iteration"] for p in self.probes)
@@ -81,6 +82,7 @@ class OmnivoreOptimizer:
             previous = min(measured)
         choice = self.best()
         self.start_from(snapshot, choice["groups"], choice["momentum"], choice["lr"])
+        run.round_samples = round_samples
         seconds = self.world.bcast_json(time.perf_counter() - started)
         run.state.elapsed_s += seconds
         record = {

@@ -37,6 +37,12 @@ class Step:
     """Host time of the step on this rank."""
     compute_s: float
     """Host time of the step on this rank before its sync (batches, gradients, injected delay)."""
+    updates: int = 1
+    """Local steps this rank took (in a round of an asynchronous algorithm, as many as it had time for)."""
+
+
+ROUND_STEPS = 32
+"""Global steps' samples per round of an asynchronous algorithm, unless `round_samples` says."""
 
 
 class Run:
@@ -70,6 +76,13 @@ class Run:
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
+        group_sampler = GlobalSampler(self.num_samples, config.seed, 0, 1)
+        self.group_prefetcher = BatchPrefetcher(train_set, group_sampler, device, self.layout.dtype)
+        """Batches of this rank's slices of its group's steps (asynchronous algorithms' rounds)."""
+        self.round_samples = config.round_samples
+        """Samples per round of an asynchronous algorithm (0: `ROUND_STEPS` global steps')."""
+        self.local_steps = 0
+        """Local steps this rank took in the run's session."""
         self.state = TrainState(next_eval=config.eval_every)
         self.losses = torch.zeros((), dtype=torch.float64, device=device)
         """Training losses summed on the device since the last `settle`, so that no step waits to read one."""
@@ -84,25 +97,61 @@ class Run:
         return self.sampler.fits(self.state.offset, self.learners.k, self.hp.batch_size)
 
     def train_step(self, lr: float) -> Step:
-        """Take one global step: batches → gradients → each learner's local update → sync."""
+        """Take one global step: batches → gradients → each learner's local update → sync. An asynchronous
+        algorithm takes a round instead: steps at this rank's own pace on the positions its transport hands out,
+        until the round's samples are taken."""
+        if self.algorithm.rounds:
+            return self._train_round(lr)
         started = time.perf_counter()
         state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
-        batches = self.prefetcher.batches(state.epoch, state.offset, k, batch_sizes)
-        losses = self.engine.compute_gradients(self.learners, batches)
         samples = self.sampler.step_size(k, batch_sizes)
-        self.prefetcher.prefetch(state.epoch, state.offset + samples, k, batch_sizes)
-        if self.imbalance is not None:
-            world = self.topology.world
-            time.sleep(self.imbalance.delay(state.iteration, world.rank, world.size, time.perf_counter() - started))
-        computed = time.perf_counter()
-        self.algorithm.weigh(batch_sizes, self.topology.data.rank)
-        self.engine.local_step(self.algorithm, lr)
-        self.engine.sync(self.algorithm, lr)
-        self.learners.share_extra_state()
+        losses, compute_s = self._local_step(self.prefetcher, state.offset, batch_sizes, lr, ahead=samples)
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k
-        return Step(samples, losses, time.perf_counter() - started, computed - started)
+        return Step(samples, losses, time.perf_counter() - started, compute_s)
+
+    def _train_round(self, lr: float) -> Step:
+        started = time.perf_counter()
+        state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
+        end = state.offset + (self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes))
+        position = self.algorithm.begin_round(state.offset, end, self.num_samples, k, batch_sizes)
+        group_sizes = self.algorithm.group_batch_sizes(batch_sizes)
+        group, sampler = self.algorithm.transport.group, self.group_prefetcher.sampler
+        sampler.rank, sampler.world_size = group.rank, group.size  # the groups may have changed since the last round
+        losses, updates, compute_s = torch.zeros_like(self.losses).expand(k).clone(), 0, 0.0
+        while position is not None:
+            step_losses, step_compute_s = self._local_step(self.group_prefetcher, position, group_sizes, lr)
+            losses += step_losses
+            compute_s += step_compute_s
+            updates += 1
+            position = self.algorithm.next_position
+        samples = self.algorithm.end_round() - state.offset
+        state.advance(samples)
+        self.losses += losses.sum()
+        state.loss_count += k * updates
+        return Step(samples, losses / max(updates, 1), time.perf_counter() - started, compute_s, updates)
+
+    def _local_step(
+        self, prefetcher: BatchPrefetcher, position: int, batch_sizes: tuple[int, ...], lr: float, ahead: int = 0
+    ) -> tuple[torch.Tensor, float]:
+        """Train this rank's learners on the step at `position` of the epoch, in the scope whose batch sizes these
+        are; prefetch the step `ahead` samples on. Return the learners' losses and the seconds before the sync."""
+        started, epoch, k = time.perf_counter(), self.state.epoch, self.learners.k
+        losses = self.engine.compute_gradients(self.learners, prefetcher.batches(epoch, position, k, batch_sizes))
+        if ahead:
+            prefetcher.prefetch(epoch, position + ahead, k, batch_sizes)
+        if self.imbalance is not None:
+            world = self.topology.world
+            index = self.local_steps if self.algorithm.rounds else self.state.iteration
+            time.sleep(self.imbalance.delay(index, world.rank, world.size, time.perf_counter() - started))
+        computed = time.perf_counter()
+        self.algorithm.weigh(batch_sizes, prefetcher.sampler.rank)
+        self.engine.local_step(self.algorithm, lr)
+        self.engine.sync(self.algorithm, lr)
+        self.learners.share_extra_state()
+        self.local_steps += 1
+        return losses, computed - started
 
     def settle(self) -> None:
         """Order what follows after the queued device work, collect the summed losses into the state and bring every

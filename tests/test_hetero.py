@@ -160,9 +160,10 @@ def test_adaptive_batch_gives_a_slow_rank_a_smaller_batch_and_the_faster_ones_la
         sampler=GlobalSampler(1000, 1, comm.rank, comm.size),
         hp=SimpleNamespace(batch_size=16),
         state=SimpleNamespace(iteration=3),
+        algorithm=SimpleNamespace(rounds=False),
     )
     controller = AdaptiveBatch(BatchPolicy(every=3, smallest=4, largest=32, step=4), comm)
-    step = SimpleNamespace(compute_s=1.0 if comm.rank == slow and comm.size > 1 else 0.25)
+    step = SimpleNamespace(compute_s=1.0 if comm.rank == slow and comm.size > 1 else 0.25, updates=1)
     assert controller(run, step) is None and controller(run, step) is None
     changes = controller(run, step)
     if comm.size == 1:

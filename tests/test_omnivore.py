@@ -17,6 +17,7 @@ from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.components import Checkpoints, Tuning
 from crossbow_mpi.optimizer import grid, group_counts
+from crossbow_mpi.run import ROUND_STEPS
 
 from conftest import run_job
 from test_algorithms import BATCH, STEPS, datasets, run_config
@@ -30,15 +31,28 @@ def all_groups(comm) -> list[int]:
     return [groups for groups in divisors(comm.size) if groups > 1] or [1]
 
 
+def lockstep(comm, learners: int) -> int:
+    """Return the samples of one global step: as rounds, every group takes exactly one step in each."""
+    return comm.size * learners * BATCH
+
+
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners", [1, 2])
-def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners):
+@pytest.mark.parametrize("learners, round_steps", [(1, 0), (2, 0), (2, 3)])
+def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners, round_steps):
     train, test = datasets(comm.size, learners)
     results = {}
     for algorithm in ("ssgd", "omnivore"):
-        cfg = run_config(shared_tmp / algorithm, algorithm=algorithm, learners=learners, eval_every=40, comm="mpi")
+        cfg = run_config(
+            shared_tmp / algorithm,
+            algorithm=algorithm,
+            learners=learners,
+            eval_every=40,
+            comm="mpi",
+            round_samples=round_steps * lockstep(comm, learners),
+        )
         results[algorithm] = Trainer(cfg, comm).fit(mlp_bn, train, test)
-    assert results["omnivore"].iterations == results["ssgd"].iterations == STEPS
+    assert results["ssgd"].iterations == STEPS
+    assert results["omnivore"].iterations == math.ceil(STEPS / (round_steps or ROUND_STEPS)), "one per round"
     assert torch.equal(results["omnivore"].central, results["ssgd"].central)
 
 
@@ -73,34 +87,41 @@ def test_the_server_applies_every_group_update_exactly_once_and_no_group_waits(c
         comm.allreduce_sum_(sent)
         assert torch.equal(held, sent), "an update was lost or applied twice"
         stats = server.statistics()
-        assert stats["omnivore_updates"] == [steps] * groups
-        assert sum(stats["omnivore_staleness"]) == steps * groups
+        assert stats["async_updates"] == [steps] * groups
+        assert sum(stats["async_staleness"]) == steps * groups
         if late and groups > 1:
-            assert stats["omnivore_staleness_max"] == steps * (groups - 1), "the late group read z before any update"
-        assert stats["omnivore_staleness_max"] <= steps * (groups - 1)
+            assert stats["async_staleness_max"] == steps * (groups - 1), "the late group read z before any update"
+        assert stats["async_staleness_max"] <= steps * (groups - 1)
         if groups == 1:
-            assert stats["omnivore_staleness"] == [steps]
+            assert stats["async_staleness"] == [steps]
 
 
 @pytest.mark.mpi(min_size=1)
 def test_evaluation_records_carry_staleness_and_no_group_starves(comm, shared_tmp):
     groups = all_groups(comm)[-1]
     train, test = datasets(comm.size, 1)
-    cfg = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=1, eval_every=5 * comm.size * BATCH)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="omnivore",
+        groups=groups,
+        learners=1,
+        eval_every=5 * comm.size * BATCH,
+        round_samples=lockstep(comm, 1),
+    )
     result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert result.iterations == STEPS
     records = evaluation_records(comm, shared_tmp / "run")
     assert len(records) == 4
     previous = 0
     for record in records:
-        updates, histogram = record["omnivore_updates"], record["omnivore_staleness"]
+        updates, histogram = record["async_updates"], record["async_staleness"]
         assert len(updates) == groups and sum(updates) == groups * (record["iteration"] - previous)
         assert max(updates) <= 2 * min(updates), "a group starves"
         assert sum(histogram) == sum(updates)
-        assert record["omnivore_staleness_max"] == max(i for i, n in enumerate(histogram) if n)
+        assert record["async_staleness_max"] == max(i for i, n in enumerate(histogram) if n)
         mean = sum(i * n for i, n in enumerate(histogram)) / sum(histogram)
-        assert record["omnivore_staleness_mean"] == pytest.approx(mean)
-        assert 0 <= record["omnivore_server_cpu_share"] < 1
+        assert record["async_staleness_mean"] == pytest.approx(mean)
+        assert 0 <= record["async_server_cpu_share"] < 1
         previous = record["iteration"]
 
 
@@ -108,7 +129,10 @@ def test_evaluation_records_carry_staleness_and_no_group_starves(comm, shared_tm
 def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_tmp):
     groups = all_groups(comm)[-1]
     train, test = datasets(comm.size, 2)
-    cfg = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=2, checkpoint_every=6)
+    every_step = lockstep(comm, 2)
+    cfg = run_config(
+        shared_tmp, algorithm="omnivore", groups=groups, learners=2, checkpoint_every=6, round_samples=every_step
+    )
     first = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert first.iterations == STEPS
 
@@ -120,7 +144,9 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     saved = comm.bcast_json(saved)
     assert saved["algorithm"] == {"version": groups * STEPS, "updates": [STEPS] * groups}
 
-    resumed = run_config(shared_tmp, algorithm="omnivore", groups=groups, learners=2, epochs=2, resume=True)
+    resumed = run_config(
+        shared_tmp, algorithm="omnivore", groups=groups, learners=2, epochs=2, resume=True, round_samples=every_step
+    )
     trainer = Trainer(resumed, comm)
     run = trainer.start(mlp_bn, train, test_set=test)
     Checkpoints(resumed, comm, Tuning(resumed, comm, run, trainer.device, 1, None, None)).restore(run)
@@ -134,7 +160,9 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     assert continued.iterations == 2 * STEPS
     assert torch.isfinite(continued.central).all() and not torch.equal(continued.central, first.central)
 
-    regrouped = run_config(shared_tmp, algorithm="omnivore", groups=1, learners=2, epochs=3, resume=True)
+    regrouped = run_config(
+        shared_tmp, algorithm="omnivore", groups=1, learners=2, epochs=3, resume=True, round_samples=every_step
+    )
     assert Trainer(regrouped, comm).fit(mlp_bn, train, test).iterations == 3 * STEPS
     if comm.rank == 0:
         with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
@@ -171,7 +199,15 @@ def test_the_optimizer_grid_is_pruned_as_the_artifact_does():
 @pytest.mark.mpi(min_size=1)
 def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, shared_tmp):
     train, test = datasets(comm.size, 1)
-    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, probe_seconds=0.05, eval_every=40)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="omnivore",
+        groups="auto",
+        learners=1,
+        probe_seconds=0.05,
+        eval_every=40,
+        round_samples=lockstep(comm, 1),
+    )
     result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert result.iterations == STEPS, "training starts from the snapshot the probes started from"
     records = [
@@ -191,5 +227,5 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
         k: best[k] for k in ("groups", "momentum", "lr", "score")
     }
     evaluations = [r for r in records if "test_accuracy" in r]
-    assert evaluations and all(len(r["omnivore_updates"]) == choice["groups"] for r in evaluations)
+    assert evaluations and all(len(r["async_updates"]) == choice["groups"] for r in evaluations)
     assert all(r["lr"] == choice["lr"] for r in evaluations)

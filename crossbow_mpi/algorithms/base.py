@@ -27,6 +27,9 @@ class Algorithm:
     weighs_by_samples = False
     """Whether each learner's part of the sync message is weighted by its batch size, so that the sync averages
     over samples (S-SGD, eager-SGD), rather than counted once, so that it averages over learners."""
+    rounds = False
+    """Whether the ranks step at their own pace within rounds of samples that the transport hands out
+    (`begin_round`, `next_position`, `end_round`), rather than in lockstep (asynchronous algorithms)."""
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
     learner reads before its own `local_step`."""

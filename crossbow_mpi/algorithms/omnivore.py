@@ -10,8 +10,9 @@ The P ranks form G groups of P/G consecutive ranks. Every step of group γ (cros
 The momentum u is held with the central model on the server. z's BatchNorm buffers become the mean over the
 group's learners, like S-SGD's over all. G = 1 is S-SGD, bit for bit; G = P is fully asynchronous. Groups meet,
 and every rank takes the server's z and u, only where the whole world meets: at evaluations, checkpoints and
-the end (`meet`). Between meetings each group takes one step per global step of the loop, so the data order
-is S-SGD's (no sample twice per epoch) and a group runs at most the stop vote's lag ahead of the slowest.
+the end (`meet`). The loop runs in rounds of samples: within a round each group steps at its own pace on the
+positions the server hands out, so a faster group takes more steps, no sample is taken twice in an epoch, and
+a slow group holds the others up only at the round's end, for at most one of its steps.
 """
 
 from __future__ import annotations
@@ -29,10 +30,32 @@ from crossbow_mpi.state import HyperParams
 class Omnivore(Algorithm):
     name = "omnivore"
     transport_kind = "server"
+    rounds = True
 
     def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):
         super().__init__(hp, transport, central, learners)
+        self.group_step = 0
+        """Samples of one step of this group in the current round."""
+        self.next_position: int | None = None
+        """Where this group's next step in the round starts (None: the round is taken)."""
         self.transport.serve((self.central.z, self.central.u), self.update_central)
+
+    def begin_round(self, offset: int, end: int, limit: int, learners: int, batch_sizes: tuple[int, ...]) -> int | None:
+        """Start a round of the epoch's samples from `offset` to `end` (collective); return this group's first
+        position, or None."""
+        size = self.transport.group.size
+        group_steps = [learners * sum(batch_sizes[g * size : (g + 1) * size]) for g in range(self.transport.groups)]
+        self.group_step = group_steps[self.transport.group_index]
+        return self.transport.begin_round(offset, end, limit, group_steps)
+
+    def group_batch_sizes(self, batch_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Return the batch sizes of this group's ranks."""
+        size, index = self.transport.group.size, self.transport.group_index
+        return batch_sizes[index * size : (index + 1) * size]
+
+    def end_round(self) -> int:
+        """Wait for every group to finish the round (collective); return the position where it ended."""
+        return self.transport.end_round()
 
     def local_step(self, rows: slice, lr: float) -> None:
         self.staged_rows(rows).copy_(self.learners.grads[rows])
@@ -40,7 +63,9 @@ class Omnivore(Algorithm):
     def sync(self, lr: float) -> None:
         hp = self.hp
         torch.sum(self.staged, 0, out=self.message)
-        self.transport.exchange(self.message, self.central.z, (lr, hp.momentum, hp.weight_decay))
+        self.next_position = self.transport.exchange(
+            self.message, self.central.z, (lr, hp.momentum, hp.weight_decay), self.group_step
+        )
         self.learners.reset_to(self.central.z)
 
     def update_central(self, held: Sequence[torch.Tensor], message: torch.Tensor, params: Sequence[float]) -> None:
@@ -54,7 +79,11 @@ class Omnivore(Algorithm):
         z[:num_params].sub_(u, alpha=lr)
 
     def meet(self) -> None:
+        """Every rank takes the server's z and u, and z's non-float buffers (a BatchNorm's batch count: every rank
+        counts its own steps) from the server's rank (collective)."""
         self.transport.meet((self.central.z, self.central.u))
+        self.central.broadcast_extra_state(self.transport.data)
+        self.learners.take_extra_state()
         self.learners.reset_to(self.central.z)
 
     def drain(self) -> None:

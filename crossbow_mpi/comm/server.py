@@ -11,6 +11,11 @@ The server is a progress thread on rank 0 with its own duplicated communicator. 
 by polling with short sleeps (MPI's blocking waits spin and would take a core from the learners), receives it,
 applies it under a lock and replies. Rank 0's own group (group 0) applies its messages by a direct call. `meet`
 brings every rank to the server's state where the whole world meets (evaluation, checkpoints, the end).
+
+The server also hands out the data. A round is a range of an epoch's samples: `begin_round` gives every group
+its first step's position, and each exchange's reply carries the group's next one, in the order the groups ask,
+until the round is taken; so a faster group takes more steps, and no sample is taken twice. `end_round` waits
+for every group and returns where the round ended.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class ModelServer(Communicator):
         self.cpu_before = self.cpu_s = 0.0
         """The server thread's CPU seconds: of its finished runs, and in all up to its latest update."""
         self.window = self._empty_window()
+        self.position = self.round_end = self.limit = 0
+        """On the server's rank: the next sample position to hand out, the round's end and the epoch's size."""
 
     def regroup(self, groups: int) -> None:
         """Use `groups` compute groups of consecutive ranks from now on (collective over `data`, after `meet` and
@@ -92,24 +99,46 @@ class ModelServer(Communicator):
             self.held = tuple(tensor.detach().cpu().clone() for tensor in held)
             self.apply = apply
 
-    def exchange(self, message: torch.Tensor, out: torch.Tensor, params: Sequence[float]) -> None:
-        """Sum `message` over the group, have the server apply the sum with `params`, and put the state the server
-        then holds into `out` on every rank of the group (collective over the group)."""
-        self.group.allreduce_sum_(message)
-        if self.group.rank == 0:
-            self._push_pull(message, out, params)
-        self.group.broadcast_(out)
+    def begin_round(self, offset: int, end: int, limit: int, group_steps: Sequence[int]) -> int | None:
+        """Start a round of the samples from `offset` to `end` of an epoch of `limit` samples, group γ taking
+        `group_steps[γ]` samples per step; return this group's first position, None when it has none (collective
+        over `data`, after `end_round`)."""
+        position, firsts = offset, []
+        for step in group_steps:
+            first, position = take(position, step, end, limit)
+            firsts.append(first)
+        if self.data.rank == SERVER_RANK:
+            with self.lock:
+                self.position, self.round_end, self.limit = position, end, limit
+            self._start()
+        return firsts[self.group_index]
 
-    def _push_pull(self, message: torch.Tensor, out: torch.Tensor, params: Sequence[float]) -> None:
+    def end_round(self) -> int:
+        """Wait until every group took its last step of the round; return the position where the round ended
+        (collective over `data`)."""
+        wait_sleeping([self.data.mpi_comm.Ibarrier()])
+        return self.data.bcast_json(self.position if self.data.rank == SERVER_RANK else None)
+
+    def exchange(self, message: torch.Tensor, out: torch.Tensor, params: Sequence[float], step: int = 0) -> int | None:
+        """Sum `message` over the group, have the server apply the sum with `params`, and put the state the server
+        then holds into `out` on every rank of the group; return the position of the group's next step of `step`
+        samples in the round, None when the round is taken (collective over the group)."""
+        self.group.allreduce_sum_(message)
+        position = self._push_pull(message, out, params, step) if self.group.rank == 0 else None
+        self.group.broadcast_(out)
+        return self.group.bcast_json(position) if self.group.size > 1 else position
+
+    def _push_pull(self, message: torch.Tensor, out: torch.Tensor, params: Sequence[float], step: int) -> int | None:
         if self.data.rank == SERVER_RANK:
             self._start()
-            out.copy_(self._apply(self.group_index, self.read_version, message.cpu(), params))
+            state, position = self._apply(self.group_index, self.read_version, message.cpu(), params, step)
+            out.copy_(state)
             self.read_version = self.version
-            return
-        header = np.array([self.read_version, *params], dtype=np.float64)
+            return position
+        header = np.array([self.read_version, step, *params], dtype=np.float64)
         host = message.detach().cpu().numpy()
         reply = np.empty(out.numel(), dtype=host.dtype)
-        version = np.zeros(1, np.int64)
+        version = np.zeros(2, np.int64)
         wait_sleeping(
             [
                 self.channel.Isend(header, dest=SERVER_RANK, tag=HEADER_TAG),
@@ -120,9 +149,13 @@ class ModelServer(Communicator):
         )
         out.copy_(torch.from_numpy(reply))
         self.read_version = int(version[0])
+        return None if version[1] < 0 else int(version[1])
 
-    def _apply(self, group: int, read_version: int, message: torch.Tensor, params: Sequence[float]) -> torch.Tensor:
-        """Apply one group's message to the held state; return a copy of the state's first tensor."""
+    def _apply(
+        self, group: int, read_version: int, message: torch.Tensor, params: Sequence[float], step: int
+    ) -> tuple[torch.Tensor, int | None]:
+        """Apply one group's message to the held state; return a copy of the state's first tensor and the position
+        of the group's next step of `step` samples."""
         with self.lock:
             staleness = self.version - read_version
             self.apply(self.held, message, params)
@@ -135,7 +168,8 @@ class ModelServer(Communicator):
                     [histogram, np.zeros(staleness + 1 - len(histogram), np.int64)]
                 )
             histogram[staleness] += 1
-            return self.held[0].clone()
+            position, self.position = take(self.position, step, self.round_end, self.limit)
+            return self.held[0].clone(), position
 
     def meet(self, outs: Sequence[torch.Tensor]) -> None:
         """Give every rank the server's state once every group's last update is applied (collective over `data`):
@@ -167,11 +201,11 @@ class ModelServer(Communicator):
             staleness = window["staleness"]
             applied = max(int(staleness.sum()), 1)
             stats = {
-                "omnivore_updates": window["updates"].tolist(),
-                "omnivore_staleness": staleness.tolist(),
-                "omnivore_staleness_mean": float(np.arange(len(staleness)) @ staleness) / applied,
-                "omnivore_staleness_max": int(np.flatnonzero(staleness).max(initial=0)),
-                "omnivore_server_cpu_share": cpu_s / max(wall_s, 1e-9),
+                "async_updates": window["updates"].tolist(),
+                "async_staleness": staleness.tolist(),
+                "async_staleness_mean": float(np.arange(len(staleness)) @ staleness) / applied,
+                "async_staleness_max": int(np.flatnonzero(staleness).max(initial=0)),
+                "async_server_cpu_share": cpu_s / max(wall_s, 1e-9),
             }
         else:
             stats = None
@@ -231,8 +265,10 @@ class ModelServer(Communicator):
                 status.Get_count(self.mpi().BYTE) // self.held[0].element_size(), dtype=self.held[0].dtype
             )
             self.channel.Recv(message.numpy(), source=source, tag=MESSAGE_TAG)
-            reply = self._apply(source // self.group.size, int(header[0]), message, header[1:].tolist())
-            version = np.array([self.version], np.int64)
+            reply, position = self._apply(
+                source // self.group.size, int(header[0]), message, header[2:].tolist(), int(header[1])
+            )
+            version = np.array([self.version, -1 if position is None else position], np.int64)
             wait_sleeping(
                 [
                     self.channel.Isend(reply.numpy(), dest=source, tag=REPLY_TAG),
@@ -250,3 +286,11 @@ class ModelServer(Communicator):
                 return False
             poll = min(2 * poll, POLL_MAX_S)
         return True
+
+
+def take(position: int, step: int, end: int, limit: int) -> tuple[int | None, int]:
+    """Hand out a step of `step` samples at `position` if the round still has samples before `end` and the step
+    fits in the epoch's `limit`; return its position (None when not) and the next position."""
+    if position < end and position + step <= limit:
+        return position, position + step
+    return None, position

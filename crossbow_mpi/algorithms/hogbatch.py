@@ -1,0 +1,19 @@
+"""CPU+GPU Hogbatch (Ma and Rusu, arXiv 2004.08771): every rank updates one central model asynchronously, each
+with its own batch size (a GPU rank with large batches beside CPU ranks with small ones).
+
+It is Omnivore with one group per rank (G = P). A rank's step, at the server, applied to whatever z is then:
+
+    g_r = (1 / k) Σ_j ∇ℓ(w_j) on its batches of b_r samples       (w_j = z as rank r last read it)
+    u ← μ u + (g_r + λ z);  z ← z − η u                            (μ = 0: the paper's plain step)
+
+Within a round each rank takes the next batch as soon as it is free, so a faster rank makes more updates. Each
+evaluation record carries every rank's update count and the staleness histogram. With `--adaptive-batch`
+(Adaptive Hogbatch), after every window of `--adapt-every` rounds rank i's share of the updates p_i moves its
+batch size toward balanced update counts: b_i grows when p_i > 1/P and shrinks when p_i < 1/P.
+"""
+
+from crossbow_mpi.algorithms.omnivore import Omnivore
+
+
+class Hogbatch(Omnivore):
+    name = "hogbatch"

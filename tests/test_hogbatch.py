@@ -1,0 +1,132 @@
+"""Asynchronous rounds (Omnivore's groups, Hogbatch's ranks): the server hands out every position of a round once
+and applies every update once, a faster group takes more steps, a Hogbatch run takes no sample twice in an epoch,
+a slow rank makes fewer updates, and Adaptive Hogbatch shrinks the slow rank's batches."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from test_eager import evaluation_records, mlp_bn
+from test_omnivore import divisors
+
+from crossbow_mpi import Trainer
+from crossbow_mpi.comm.base import wait_sleeping
+from crossbow_mpi.comm.server import ModelServer
+from crossbow_mpi.data.datasets import ArrayDataset
+
+from conftest import run_job
+from test_algorithms import BATCH, datasets, run_config
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("late", [False, True])
+def test_a_round_hands_out_every_position_once_and_applies_every_update_once(comm, late):
+    """Test mode: the held state counts, per sample, the updates that carried it. With `late`, the last group
+    starts only once every other group finished the round: it takes only its first step."""
+    offset, end, limit = 5, 5 + 40 * comm.size, 60 * comm.size
+    for groups in divisors(comm.size):
+        group = comm.split(comm.rank // (comm.size // groups), comm.rank)
+        server = ModelServer(comm, group, groups)
+        server.serve((torch.zeros(limit, dtype=torch.float64),), lambda held, message, params: held[0].add_(message))
+        group_steps = [3 + g for g in range(groups)]  # unequal steps: groups of unequal batch sizes
+        step = group_steps[server.group_index]
+        late_group = late and groups > 1 and server.group_index == groups - 1
+        sent = torch.zeros(limit, dtype=torch.float64)
+        seen = torch.zeros(limit, dtype=torch.float64)
+        position, steps = server.begin_round(offset, end, limit, group_steps), 0
+        if late_group:
+            wait_sleeping([comm.mpi_comm.Ibarrier()])
+        while position is not None:
+            update = torch.zeros(limit, dtype=torch.float64)
+            if group.rank == 0:
+                update[position : position + step] = 1.0
+            sent += update
+            position = server.exchange(update, seen, (), step)
+            steps += 1
+        if late and groups > 1 and not late_group:
+            wait_sleeping([comm.mpi_comm.Ibarrier()])
+        ended = server.end_round()
+        held = torch.empty(limit, dtype=torch.float64)
+        server.meet((held,))
+        server.stop()
+        comm.allreduce_sum_(sent)
+        assert torch.equal(held, sent), "an update was lost or applied twice"
+        assert held[offset:ended].eq(1).all() and held[:offset].eq(0).all() and held[ended:].eq(0).all()
+        assert end <= ended < end + max(group_steps), "the round ends at the first step past its end"
+        if late_group:
+            assert steps == 1, "the late group found its round taken"
+        assert server.statistics()["async_updates"] == comm.allgather_json(steps)[:: comm.size // groups]
+
+
+class RecordingDataset(ArrayDataset):
+    """Record the indices of every batch of more than one sample (not the start's one-sample checks)."""
+
+    def __init__(self, dataset: ArrayDataset):
+        super().__init__(dataset.inputs, dataset.targets, num_classes=dataset.num_classes)
+        self.taken: list[int] = []
+
+    def get_batch(self, indices):
+        if len(indices) > 1:
+            self.taken += indices.tolist()
+        return super().get_batch(indices)
+
+
+def hogbatch_run(comm, shared_tmp, **overrides):
+    """Train hogbatch for one epoch, rank P-1 slower by 4 and the ranks' batch sizes unequal; return the result,
+    every sample index every rank took, and the evaluation records."""
+    train, test = datasets(comm.size, 2)
+    train = RecordingDataset(train)
+    slow = {"inject_imbalance": f"slow-rank:{comm.size - 1}:4"} if comm.size > 1 else {}
+    sizes = tuple(BATCH + 2 * (r % 2) for r in range(comm.size))
+    cfg = run_config(
+        shared_tmp,
+        algorithm="hogbatch",
+        learners=1,
+        batch_size=sizes,
+        momentum=0.0,
+        eval_every=len(train) // 2,
+        round_samples=len(train) // 4,
+        **slow,
+        **overrides,
+    )
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    taken = [index for rank in comm.allgather_json(train.taken) for index in rank]
+    return result, taken, evaluation_records(comm, shared_tmp / "run"), len(train), max(sizes)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hogbatch_takes_no_sample_twice_and_a_slow_rank_makes_fewer_updates(comm, shared_tmp):
+    result, taken, records, num_samples, largest = hogbatch_run(comm, shared_tmp)
+    assert len(taken) == len(set(taken)), "a sample was taken twice in the epoch"
+    assert len(taken) > num_samples - comm.size * largest, "the epoch was not taken"
+    assert torch.isfinite(result.central).all()
+    updates = [sum(r["async_updates"][rank] for r in records) for rank in range(comm.size)]
+    assert len(records) >= 2 and all(len(r["async_updates"]) == comm.size for r in records)
+    assert sum(sum(r["async_staleness"]) for r in records) == sum(updates)
+    if comm.size > 1:
+        assert updates[-1] < min(updates[:-1]), f"the rank slower by 4 made as many updates: {updates}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
+    _, taken, _, _, _ = hogbatch_run(comm, shared_tmp, adaptive_batch=True, adapt_every=1, batch_min=2, epochs=2)
+    assert max(Counter(taken).values()) <= 2, "a sample was taken twice in one of the two epochs"
+    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+    changes = [
+        r["changes"]["batch_size"] for r in map(json.loads, comm.bcast_json(text).splitlines()) if "changes" in r
+    ]
+    assert changes, "no batch size changed"
+    first, last = changes[0][0], changes[-1][1]
+    assert last[-1] < first[-1], f"the slow rank's batch size did not shrink: {changes}"
+    assert last[0] >= first[0], f"a fast rank's batch size shrank: {changes}"
+
+
+def test_hogbatch_with_learners_auto_exits_2_with_one_line(tmp_path):
+    args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--algorithm", "hogbatch"]
+    job = run_job(1, [*args, "--learners", "auto"], timeout=90)
+    ours = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")]
+    assert job.returncode == 2 and len(ours) == 1 and "Traceback" not in job.stderr, job.stderr
+    assert "--algorithm hogbatch needs a fixed number of --learners" in ours[0]
