@@ -180,10 +180,13 @@ def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def read_central(path: Path) -> tuple[torch.Tensor, bytes, str]:
-    """Return a valid checkpoint's central model z, z's extra state and the layout signature."""
+def read_central(path: Path) -> tuple[list[tuple[torch.Tensor, bytes]], str]:
+    """Return a valid checkpoint's central model, as each pipeline stage's z and extra state (one without stages),
+    and the layout signature."""
     with h5py.File(path, "r") as f:
-        return torch.from_numpy(f["central/z"][...]), f["central/extra"][...].tobytes(), f.attrs["layout_signature"]
+        stages = int(f.attrs.get("pipeline_stages", 1))
+        groups = [f[central_group(stage, stages)] for stage in range(stages)]
+        return [(torch.from_numpy(g["z"][...]), g["extra"][...].tobytes()) for g in groups], f.attrs["layout_signature"]
 
 
 def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict, list[str]]:

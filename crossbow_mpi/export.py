@@ -1,6 +1,6 @@
 """Command line: `python -m crossbow_mpi.export RUN_DIR [--checkpoint FILE] --out model.safetensors` writes a run's
-trained model z (parameters and float buffers) as a named `state_dict` in safetensors format (plain tensors and
-a JSON header), to load with
+trained model z (parameters and float buffers; a pipeline run's stages joined into the whole model) as a named
+`state_dict` in safetensors format (plain tensors and a JSON header), to load with
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 """
@@ -19,6 +19,7 @@ from crossbow_mpi.config import ArgumentParser, Config, ConfigError
 from crossbow_mpi.data import dataset_shape
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.models import build_model
+from crossbow_mpi.pipeline import load_stages, stage_modules
 from crossbow_mpi.train import EXIT_USER_ERROR
 
 
@@ -43,19 +44,18 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     problem = "no such file" if not path.is_file() else checkpoint.check(path)
     if problem:
         raise ConfigError(f"{path}: {problem}")
-    z, extra, signature = checkpoint.read_central(path)
+    shards, signature = checkpoint.read_central(path)
     module = build_model(config.model, *dataset_shape(config.dataset))
-    layout = FlatLayout(module)
-    if (signature, z.numel(), len(extra)) != (
-        layout.signature,
-        layout.num_state,
-        len(layout.extra_state_bytes(module)),
-    ):
+    stages = stage_modules(module, len(shards))
+    layouts = [FlatLayout(stage) for stage in stages]
+    expected = "+".join(layout.signature for layout in layouts)
+    sizes = [(layout.num_state, len(layout.extra_state_bytes(stage))) for stage, layout in zip(stages, layouts)]
+    if (signature, [(z.numel(), len(extra)) for z, extra in shards]) != (expected, sizes):
         raise ConfigError(
             f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
-            f"on {config.dataset} (layout {layout.signature})"
+            f"on {config.dataset} (layout {expected})"
         )
-    return layout.load(module, z, extra), config, path
+    return load_stages(module, shards), config, path
 
 
 def _newest(run_dir: str) -> Path:

@@ -20,6 +20,7 @@ from crossbow_mpi.comm import Communicator, MpiCommunicator
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, wait_sleeping
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.engines import LossFn, SequentialEngine
+from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import Learners
 from crossbow_mpi.stages import split_model
 
@@ -193,6 +194,21 @@ def build_pipeline(
     split_model(model_fn(), link.stages)
     engine = PipelineEngine(loss_fn, threads, link, config.micro_batches, config.schedule, config.precision)
     return stage_fn, engine
+
+
+def stage_modules(model: nn.Module, stages: int) -> list[nn.Module]:
+    """Return the model's stages as a pipeline's ranks hold them, sharing the model's modules ([model] for one stage),
+    so that loading a stage's state loads that part of the model."""
+    if stages == 1:
+        return [model]
+    return [PipelineStage(modules, link=None) for modules in split_model(model, stages)]
+
+
+def load_stages(model: nn.Module, shards: list[tuple[torch.Tensor, bytes]]) -> nn.Module:
+    """Load each stage's state vector and extra state into the model; return the model."""
+    for stage, (z, extra) in zip(stage_modules(model, len(shards)), shards):
+        FlatLayout(stage).load(stage, z, extra)
+    return model
 
 
 def _encode(value: torch.Tensor | Exception) -> bytes:

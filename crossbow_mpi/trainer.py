@@ -28,7 +28,7 @@ from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.metrics import summary_writer_class
 from crossbow_mpi.optimizer import OmnivoreOptimizer
-from crossbow_mpi.pipeline import build_pipeline
+from crossbow_mpi.pipeline import build_pipeline, load_stages
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
 
@@ -50,7 +50,7 @@ class FitResult:
     epochs: float
     """Epochs run (fractional)."""
     central: torch.Tensor
-    """A copy of the final central model's state vector z."""
+    """A copy of the final central model's state vector z (of the whole model, with pipeline stages too)."""
     learners: int
     """Learners per rank at the end."""
     preempted: bool = False
@@ -177,6 +177,8 @@ class Trainer:
             if cfg.groups == "auto":
                 OmnivoreOptimizer(cfg, run, parts.metrics, parts.progress).choose()
             result = self._loop(run, parts)
+            if cfg.pipeline_stages > 1:
+                result = _whole_model(result, self.topology.stage, model_fn)
         except BaseException:
             parts.close(failed=True)
             raise
@@ -260,6 +262,19 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
         preempted=preempted,
         _model_fn=run.learners.model_fn,
         _extra=run.central.layout.extra_state_bytes(run.central.module),
+    )
+
+
+def _whole_model(result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module]) -> FitResult:
+    """Return the result of a pipeline run with the whole `model_fn()` model, joined from the stages' z and extra
+    state (collective over the stage scope)."""
+    states = stage.allgather_bytes(result.central.view(torch.uint8).numpy().tobytes())
+    extras = stage.allgather_bytes(result._extra)
+    shards = [(torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra) for z, extra in zip(states, extras)]
+    model = load_stages(model_fn(), shards)
+    layout = FlatLayout(model)
+    return dataclasses.replace(
+        result, central=layout.flatten(model), _model_fn=model_fn, _extra=layout.extra_state_bytes(model)
     )
 
 

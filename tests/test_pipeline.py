@@ -9,17 +9,20 @@ import h5py
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
+from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.data import build_dataset
 from crossbow_mpi.models import LeNet
 from crossbow_mpi.pipeline import schedule_ops
-from crossbow_mpi.stages import split_model
 
-from conftest import run_job
-from reference import float_buffers, load_state, relative_error, sgd_reference, sma_reference
+from conftest import run_job, run_tool, self_comm
+from reference import relative_error, sgd_reference, sma_reference
 from test_algorithms import datasets as algorithm_datasets
 from test_algorithms import run_config
 
@@ -48,12 +51,6 @@ def datasets(pipelines: int, learners: int):
     return algorithm_datasets(pipelines, learners, STEPS)
 
 
-def stage_state(model: nn.Module, stages: int, stage: int) -> torch.Tensor:
-    """The state vector (parameters, then float buffers) of one stage of a whole model."""
-    stage_model = nn.Sequential(*split_model(model, stages)[stage])
-    return torch.cat([t.detach().reshape(-1) for t in [*stage_model.parameters(), *float_buffers(stage_model)]])
-
-
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -73,8 +70,7 @@ def test_pipeline_ssgd_equals_single_process_sgd(comm, shared_tmp, stages, sched
     result = Trainer(cfg, comm).fit(deep_mlp, train, test)
     assert result.iterations == STEPS
     model = sgd_reference(deep_mlp, cfg, train, learners * pipelines * BATCH, STEPS)
-    stage = comm.rank % stages
-    assert relative_error(result.central, stage_state(model, stages, stage)) < 1e-5
+    assert relative_error(result.central, parameters_to_vector(model.parameters()).detach()) < 1e-5
 
 
 @pytest.mark.mpi(min_size=2)
@@ -87,10 +83,8 @@ def test_pipeline_sma_matches_float64_reference_with_batchnorm(comm, shared_tmp,
     cfg = run_config(shared_tmp, algorithm="sma", learners=2, pipeline_stages=stages, schedule="1f1b")
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     z = sma_reference(mlp_bn_float64, cfg, train, pipelines, [2] * STEPS)
-    model = mlp_bn_float64()
-    load_state(model, z, sum(p.numel() for p in model.parameters()))
     assert result.central.dtype == torch.float64
-    assert relative_error(result.central, stage_state(model, stages, comm.rank % stages)) < 1e-6
+    assert relative_error(result.central, z) < 1e-6
 
 
 def mlp_dropout() -> nn.Module:
@@ -99,26 +93,19 @@ def mlp_dropout() -> nn.Module:
     )
 
 
-def unsplit(result, comm, model_fn, stages: int) -> nn.Module:
-    """Return model_fn() holding the stages' final states of this rank's pipeline."""
-    states = comm.allgather_bytes(result.central.numpy().tobytes())
-    first = comm.rank - comm.rank % stages
-    model = model_fn()
-    for stage, modules in enumerate(split_model(model, stages)):
-        part = nn.Sequential(*modules)
-        state = torch.frombuffer(bytearray(states[first + stage]), dtype=result.central.dtype)
-        load_state(part, state, sum(p.numel() for p in part.parameters()))
-    return model
-
-
 @pytest.mark.mpi(min_size=2)
-def test_evaluation_runs_the_whole_pipeline_as_the_unsplit_model(comm, shared_tmp):
-    """BatchNorm's running statistics and dropout's evaluation mode are those of the unsplit model."""
+def test_fit_result_holds_the_whole_model_that_evaluation_ran(comm, shared_tmp):
+    """Every rank's result is the whole unsplit model, BatchNorm's counter (of stage 1) included, and scores as the
+    pipeline's evaluation did: BatchNorm's running statistics and dropout's evaluation mode are the unsplit model's."""
     needs_stages(comm, 2)
     train, test = datasets(comm.size // 2, 2)
     cfg = run_config(shared_tmp, learners=2, pipeline_stages=2, micro_batches=2)
     result = Trainer(cfg, comm).fit(mlp_dropout, train, test)
-    model = unsplit(result, comm, mlp_dropout, 2).eval()
+    assert len(set(comm.allgather_bytes(result.central.numpy().tobytes()))) == 1
+    model = mlp_dropout()
+    model.load_state_dict(result.state_dict())
+    assert model.state_dict()["2.num_batches_tracked"] > 0
+    model.eval()
     with torch.no_grad():
         inputs, targets = test.get_batch(torch.arange(len(test)))
         outputs = model(inputs)
@@ -244,15 +231,35 @@ def test_schedules_complete_and_1f1b_bounds_the_activations_held(schedule, stage
             assert peak <= stages - s
 
 
-def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def lenet_run(tmp_path_factory):
+    """The run directory of a two-stage CLI run of LeNet."""
+    run_dir = tmp_path_factory.mktemp("run")
     args = ["--dataset", "synthetic-mnist", "--model", "lenet", "--pipeline-stages", "2", "--micro-batches", "2"]
     args += ["--schedule", "1f1b", "--epochs", "0.002", "--target-accuracy", "0", "--run-dir", str(run_dir)]
     job = run_job(2, args, timeout=120)
     assert job.returncode == 0, job.stderr
-    with h5py.File(list_checkpoints(str(run_dir))[-1]) as f:
+    return run_dir
+
+
+def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(lenet_run):
+    with h5py.File(list_checkpoints(str(lenet_run))[-1]) as f:
         assert f.attrs["pipeline_stages"] == 2 and "central" not in f
         sizes = [f[f"stages/{s}/central/z"].shape[0] for s in (0, 1)]
         assert [f[f"ranks/{r}/weights"].shape[1] for r in (0, 1)] == sizes
     lenet = LeNet()
     assert sum(sizes) == sum(p.numel() for p in lenet.parameters())
+
+
+def test_export_of_a_pipeline_run_writes_the_whole_model(lenet_run, tmp_path):
+    out = tmp_path / "model.safetensors"
+    done = run_tool("crossbow_mpi.export", str(lenet_run), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    model = LeNet()
+    model.load_state_dict(load_file(out))
+    config = json.loads((lenet_run / "config.json").read_text())
+    _, test = build_dataset(config["dataset"], config["data_dir"], config["seed"])
+    accuracy, loss = evaluate_model(model, test, self_comm(), F.cross_entropy)
+    records = [json.loads(line) for line in (lenet_run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "test_loss" in r][-1]
+    assert accuracy == last["test_accuracy"] and loss == pytest.approx(last["test_loss"], rel=1e-5)
