@@ -1,7 +1,7 @@
 """Adaptive batch sizes (Ma and Rusu's Adaptive Hogbatch rule): every window of `every` iterations, compare each
 rank's share of the updates p_i with 1/P and move its batch size by `step` within [`smallest`, `largest`]:
 
-    p_i = u_i / Σ_q u_q                  asynchronous rounds (hogbatch): u_i the updates rank i made in the window
+    p_i = u_i / Σ_q u_q                  asynchronous rounds (hogbatch, elastic): u_i rank i's updates in the window
     p_i = (1 / t_i) / Σ_q (1 / t_q)      synchronous algorithms: t_i rank i's mean compute seconds per step, so
                                          p_i is the share of the updates it would make at its own pace
     p_i > 1/P and b_i < largest:  b_i += step;     p_i < 1/P and b_i > smallest:  b_i −= step

@@ -37,8 +37,8 @@ class Config:
 
     algorithm: str = "sma"
     """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD), `eager` (eager-SGD),
-    `omnivore` (compute groups, asynchronous across groups) or `hogbatch` (every rank asynchronous, with its own
-    batch size)."""
+    `omnivore` (compute groups, asynchronous across groups), `hogbatch` (every rank asynchronous, with its own
+    batch size) or `elastic` (local steps at each rank's pace, merged every round by update share)."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
     dataset: str = "mnist"
@@ -51,10 +51,10 @@ class Config:
     """Samples per learner per iteration: one value for every rank, or one per rank (`64,64,8,8`)."""
     adaptive_batch: bool = False
     """Adapt each rank's batch size to its speed every `adapt_every` steps, by `batch_step` within [`batch_min`,
-    `batch_max`]: so that the ranks' steps take equal time, or with `hogbatch`, that they make equal numbers of
-    updates."""
+    `batch_max`]: so that the ranks' steps take equal time, or with `hogbatch` and `elastic`, that they make equal
+    numbers of updates."""
     adapt_every: int = 20
-    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`)."""
+    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`, `elastic`)."""
     batch_min: int = 1
     """With `adaptive_batch`: smallest batch size per learner."""
     batch_max: int = 1024
@@ -95,9 +95,9 @@ class Config:
     probe_seconds: float = 30.0
     """With `--groups auto`: seconds of training per optimizer probe."""
     round_samples: int = 0
-    """`omnivore`, `hogbatch`: samples per round. Within a round every rank steps at its own pace on the batches
-    handed out to it; the ranks meet between rounds, where stop signals, evaluations and checkpoints take effect
-    (an iteration is one round). 0: 32 global steps' samples."""
+    """`omnivore`, `hogbatch`, `elastic` (its merge interval): samples per round. Within a round every rank steps
+    at its own pace on the batches handed out to it; the ranks meet between rounds, where stop signals,
+    evaluations and checkpoints take effect (an iteration is one round). 0: 32 global steps' samples."""
     lr_steps: tuple[float, ...] = ()
     """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
     lr_gamma: float = 0.1
@@ -258,10 +258,10 @@ class Config:
             raise ConfigError(f"--groups must be a positive number, got {self.groups}")
         if self.groups != 1 and self.algorithm != "omnivore":
             raise ConfigError(f"--groups applies to --algorithm omnivore only, not {self.algorithm}")
-        if self.algorithm == "hogbatch" and self.learners == "auto":
+        if self.algorithm in ("hogbatch", "elastic") and self.learners == "auto":
             raise ConfigError(
-                "--algorithm hogbatch needs a fixed number of --learners: its ranks' speeds are balanced by "
-                "--adaptive-batch, not by the learner tuner"
+                f"--algorithm {self.algorithm} needs a fixed number of --learners: its ranks' speeds are balanced "
+                "by --adaptive-batch, not by the learner tuner"
             )
 
     def to_json(self) -> str:

@@ -116,9 +116,9 @@ class Trainer:
         data = comm or agree(
             world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
         )
-        if config.algorithm in ("omnivore", "hogbatch"):
+        if config.algorithm in ("omnivore", "hogbatch", "elastic"):
             groups = 1 if config.groups == "auto" else config.groups  # the optimizer starts from one group
-            groups = world.size if config.algorithm == "hogbatch" else groups
+            groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
             self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
         else:
             self.topology = Topology.data_parallel(world, data, local_rank, local_size)

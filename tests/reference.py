@@ -96,3 +96,34 @@ def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int) -> n
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def elastic_reference(model_fn, cfg: Config, train, world_size: int, learners: int, steps: int) -> torch.Tensor:
+    """Return z after `steps` rounds of one global step of adaptive elastic averaging on equal ranks (every p_i
+    equal): each learner starts from z, takes one momentum-SGD step on its slice, and z moves to the learners' mean
+    by the central momentum step."""
+    torch.manual_seed(cfg.seed)
+    module = model_fn()
+    z = state_of(module).detach()
+    n = sum(p.numel() for p in module.parameters())
+    u = torch.zeros_like(z[:n])
+    velocity = {(r, j): torch.zeros_like(u) for r in range(world_size) for j in range(learners)}
+    order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
+    for step in range(steps):
+        states = []
+        for r, j in sorted(velocity):
+            module.train()
+            load_state(module, z, n)
+            module.zero_grad()
+            first = (step * world_size * learners + r * learners + j) * cfg.batch_size
+            inputs, targets = train.get_batch(order[first : first + cfg.batch_size])
+            F.cross_entropy(module(inputs.to(z.dtype)), targets).backward()
+            after_forward = state_of(module).detach()
+            w = after_forward[:n]
+            g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
+            velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - cfg.lr * g
+            states.append(torch.cat([w + velocity[(r, j)], after_forward[n:]]))
+        merged = torch.stack(states).mean(0)
+        u = merged[:n] - z[:n] + cfg.central_momentum * u
+        z = torch.cat([z[:n] + u, merged[n:]])
+    return z

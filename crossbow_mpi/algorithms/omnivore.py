@@ -21,41 +21,18 @@ from typing import Sequence
 
 import torch
 
-from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
 
 
-class Omnivore(Algorithm):
+class Omnivore(RoundsAlgorithm):
     name = "omnivore"
-    transport_kind = "server"
-    rounds = True
 
     def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):
         super().__init__(hp, transport, central, learners)
-        self.group_step = 0
-        """Samples of one step of this group in the current round."""
-        self.next_position: int | None = None
-        """Where this group's next step in the round starts (None: the round is taken)."""
         self.transport.serve((self.central.z, self.central.u), self.update_central)
-
-    def begin_round(self, offset: int, end: int, limit: int, learners: int, batch_sizes: tuple[int, ...]) -> int | None:
-        """Start a round of the epoch's samples from `offset` to `end` (collective); return this group's first
-        position, or None."""
-        size = self.transport.group.size
-        group_steps = [learners * sum(batch_sizes[g * size : (g + 1) * size]) for g in range(self.transport.groups)]
-        self.group_step = group_steps[self.transport.group_index]
-        return self.transport.begin_round(offset, end, limit, group_steps)
-
-    def group_batch_sizes(self, batch_sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """Return the batch sizes of this group's ranks."""
-        size, index = self.transport.group.size, self.transport.group_index
-        return batch_sizes[index * size : (index + 1) * size]
-
-    def end_round(self) -> int:
-        """Wait for every group to finish the round (collective); return the position where it ended."""
-        return self.transport.end_round()
 
     def local_step(self, rows: slice, lr: float) -> None:
         self.staged_rows(rows).copy_(self.learners.grads[rows])
@@ -79,18 +56,10 @@ class Omnivore(Algorithm):
         z[:num_params].sub_(u, alpha=lr)
 
     def meet(self) -> None:
-        """Every rank takes the server's z and u, and z's non-float buffers (a BatchNorm's batch count: every rank
-        counts its own steps) from the server's rank (collective)."""
+        """Every rank takes the server's z and u, and its non-float buffers (collective)."""
         self.transport.meet((self.central.z, self.central.u))
-        self.central.broadcast_extra_state(self.transport.data)
-        self.learners.take_extra_state()
+        self.share_extra_state()
         self.learners.reset_to(self.central.z)
-
-    def drain(self) -> None:
-        self.transport.stop()
-
-    def statistics(self) -> dict:
-        return self.transport.statistics()
 
     def state_dict(self) -> dict:
         return self.transport.state_dict()

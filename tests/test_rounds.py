@@ -1,6 +1,7 @@
-"""Asynchronous rounds (Omnivore's groups, Hogbatch's ranks): the server hands out every position of a round once
-and applies every update once, a faster group takes more steps, a Hogbatch run takes no sample twice in an epoch,
-a slow rank makes fewer updates, and Adaptive Hogbatch shrinks the slow rank's batches."""
+"""Asynchronous rounds (Omnivore's groups, Hogbatch's and elastic averaging's ranks): the server hands out every
+position of a round once and applies every update once, a faster group takes more steps, a Hogbatch run takes no
+sample twice in an epoch, a slow rank makes fewer updates, Adaptive Hogbatch shrinks the slow rank's batches, and
+elastic averaging on equal ranks is synchronous averaging."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.data.datasets import ArrayDataset
 
 from conftest import run_job
-from test_algorithms import BATCH, datasets, run_config
+from reference import elastic_reference, relative_error
+from test_algorithms import BATCH, STEPS, datasets, mlp_bn_float64, run_config
 
 
 @pytest.mark.mpi(min_size=1)
@@ -74,16 +76,16 @@ class RecordingDataset(ArrayDataset):
         return super().get_batch(indices)
 
 
-def hogbatch_run(comm, shared_tmp, **overrides):
-    """Train hogbatch for one epoch, rank P-1 slower by 4 and the ranks' batch sizes unequal; return the result,
-    every sample index every rank took, and the evaluation records."""
+def rounds_run(comm, shared_tmp, algorithm="hogbatch", **overrides):
+    """Train for one epoch, rank P-1 slower by 4 and the ranks' batch sizes unequal; return the result, every sample
+    index every rank took, the evaluation records, the training set's size and the largest batch size."""
     train, test = datasets(comm.size, 2)
     train = RecordingDataset(train)
     slow = {"inject_imbalance": f"slow-rank:{comm.size - 1}:4"} if comm.size > 1 else {}
     sizes = tuple(BATCH + 2 * (r % 2) for r in range(comm.size))
     cfg = run_config(
         shared_tmp,
-        algorithm="hogbatch",
+        algorithm=algorithm,
         learners=1,
         batch_size=sizes,
         momentum=0.0,
@@ -98,21 +100,23 @@ def hogbatch_run(comm, shared_tmp, **overrides):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_hogbatch_takes_no_sample_twice_and_a_slow_rank_makes_fewer_updates(comm, shared_tmp):
-    result, taken, records, num_samples, largest = hogbatch_run(comm, shared_tmp)
+@pytest.mark.parametrize("algorithm", ["hogbatch", "elastic"])
+def test_no_sample_is_taken_twice_and_a_slow_rank_makes_fewer_updates(comm, shared_tmp, algorithm):
+    result, taken, records, num_samples, largest = rounds_run(comm, shared_tmp, algorithm)
     assert len(taken) == len(set(taken)), "a sample was taken twice in the epoch"
     assert len(taken) > num_samples - comm.size * largest, "the epoch was not taken"
     assert torch.isfinite(result.central).all()
     updates = [sum(r["async_updates"][rank] for r in records) for rank in range(comm.size)]
     assert len(records) >= 2 and all(len(r["async_updates"]) == comm.size for r in records)
-    assert sum(sum(r["async_staleness"]) for r in records) == sum(updates)
+    if algorithm == "hogbatch":
+        assert sum(sum(r["async_staleness"]) for r in records) == sum(updates)
     if comm.size > 1:
         assert updates[-1] < min(updates[:-1]), f"the rank slower by 4 made as many updates: {updates}"
 
 
 @pytest.mark.mpi(min_size=2)
 def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
-    _, taken, _, _, _ = hogbatch_run(comm, shared_tmp, adaptive_batch=True, adapt_every=1, batch_min=2, epochs=2)
+    _, taken, _, _, _ = rounds_run(comm, shared_tmp, adaptive_batch=True, adapt_every=1, batch_min=2, epochs=2)
     assert max(Counter(taken).values()) <= 2, "a sample was taken twice in one of the two epochs"
     text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
     changes = [
@@ -124,9 +128,25 @@ def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
     assert last[0] >= first[0], f"a fast rank's batch size shrank: {changes}"
 
 
-def test_hogbatch_with_learners_auto_exits_2_with_one_line(tmp_path):
-    args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--algorithm", "hogbatch"]
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("learners", [1, 2])
+def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_tmp, learners):
+    train, test = datasets(comm.size, learners)
+    cfg = run_config(
+        shared_tmp, algorithm="elastic", learners=learners, round_samples=comm.size * learners * BATCH, eval_every=40
+    )
+    result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
+    assert result.iterations == STEPS
+    reference = elastic_reference(mlp_bn_float64, cfg, train, comm.size, learners, STEPS)
+    assert relative_error(result.central, reference) < 1e-9
+    gathered = comm.allgather_bytes(result.central.numpy().tobytes())
+    assert all(g == gathered[0] for g in gathered), "the ranks' z differ after the merge"
+
+
+@pytest.mark.parametrize("algorithm", ["hogbatch", "elastic"])
+def test_learners_auto_exits_2_with_one_line(tmp_path, algorithm):
+    args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--algorithm", algorithm]
     job = run_job(1, [*args, "--learners", "auto"], timeout=90)
     ours = [line for line in job.stderr.splitlines() if line.startswith("crossbow_mpi:")]
     assert job.returncode == 2 and len(ours) == 1 and "Traceback" not in job.stderr, job.stderr
-    assert "--algorithm hogbatch needs a fixed number of --learners" in ours[0]
+    assert f"--algorithm {algorithm} needs a fixed number of --learners" in ours[0]
