@@ -8,7 +8,8 @@ rank's share of the updates p_i with 1/P and move its batch size by `step` withi
 
 A faster rank gets a larger batch: update counts even out in hogbatch, step times (so no rank waits at the
 sync) in the synchronous algorithms, where S-SGD still averages by samples. It is a controller: it returns
-`batch_size`, one per rank, the same on every rank.
+`batch_size`, one per rank, the same on every rank, with the shares p_i it measured (written into the change's
+record).
 """
 
 from __future__ import annotations
@@ -72,4 +73,4 @@ class AdaptiveBatch:
         current = run.sampler.batch_sizes(run.hp.batch_size)
         sizes = adapt(self.policy, shares, current)
         self.history.append({"iteration": run.state.iteration, "shares": shares, "batch_sizes": list(sizes)})
-        return {"batch_size": sizes} if sizes != current else None
+        return {"batch_size": sizes, "measured": {"shares": shares}} if sizes != current else None

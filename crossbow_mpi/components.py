@@ -218,7 +218,8 @@ class Tuning:
 
 class Controller(Protocol):
     """Changes hyper-parameters during a run: called after every step, returns the changes to make (the same on
-    every rank), or None."""
+    every rank), or None. A `measured` entry is not a change: it is written into the change's record (what the
+    controller decided on)."""
 
     def __call__(self, run: Run, step: Step) -> dict | None: ...
 
@@ -232,11 +233,12 @@ class Controllers:
 
     def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:
         for controller in self.controllers:
-            changed = run.hp.update(**(controller(run, step) or {}))
+            changes = dict(controller(run, step) or {})
+            measured = changes.pop("measured", None)
+            changed = run.hp.update(**changes)
             if changed:
-                self.metrics.write(
-                    {"event": "hyperparams", "iteration": run.state.iteration, "time_s": elapsed_s, "changes": changed}
-                )
+                record = {"event": "hyperparams", "iteration": run.state.iteration, "time_s": elapsed_s}
+                self.metrics.write({**record, "changes": changed, **({"measured": measured} if measured else {})})
 
 
 class Checkpoints:

@@ -109,6 +109,15 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
         ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
         ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams),
     ]
+    if any(_batch_changes(run) for run in runs):
+        panels.append(
+            (
+                "Adaptive batch sizes per rank (solid, labelled by rank)\nand each rank's update share p_i (dotted)",
+                "training time (s)",
+                "batch size per learner; p_i × 100",
+                _draw_batches,
+            )
+        )
     if any(EAGER_FRESH in r for run in runs for r in run.evaluations):
         panels.append(
             (
@@ -143,7 +152,7 @@ def _draw_hyperparams(ax, run: RunRecords, color) -> None:
     _step(ax, [(r["time_s"], r["lr"]) for r in run.evaluations] + changes, color)
     for change in run.of("hyperparams"):
         ax.axvline(change["time_s"], color=color, linestyle=":")
-        text = ", ".join(f"{name} {old:g}→{new:g}" for name, (old, new) in change["changes"].items())
+        text = ", ".join(f"{name} {_value(old)}→{_value(new)}" for name, (old, new) in change["changes"].items())
         ax.annotate(
             text,
             (change["time_s"], 1),
@@ -154,6 +163,31 @@ def _draw_hyperparams(ax, run: RunRecords, color) -> None:
             fontsize=7,
             color=color,
         )
+
+
+def _value(value) -> str:
+    """Format a hyper-parameter: a number, or one per rank."""
+    return ",".join(map(_value, value)) if isinstance(value, (list, tuple)) else f"{value:g}"
+
+
+def _batch_changes(run: RunRecords) -> list[dict]:
+    return [c for c in run.of("hyperparams") if isinstance(c["changes"].get("batch_size", [0, 0])[1], list)]
+
+
+def _draw_batches(ax, run: RunRecords, color) -> None:
+    """Draw each rank's batch size (solid; rank r's marker is its number) and its measured share p_i × 100
+    (dotted) after every adaptive change."""
+    changes = _batch_changes(run)
+    if not changes:
+        return
+    first = changes[0]
+    for rank in range(len(first["changes"]["batch_size"][0])):
+        points = [(first["time_s"], first["changes"]["batch_size"][0][rank])]
+        points += [(c["time_s"], c["changes"]["batch_size"][1][rank]) for c in changes]
+        _step(ax, points, color)
+        ax.annotate(str(rank), points[-1], color=color, fontsize=8)
+        shares = [(c["time_s"], 100 * c["measured"]["shares"][rank]) for c in changes if "measured" in c]
+        ax.plot([t for t, _ in shares], [p for _, p in shares], color=color, linestyle=":", marker=".")
 
 
 def _draw_eager(ax, run: RunRecords, color) -> None:

@@ -29,18 +29,22 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run directories of an auto-tuned SMA run and an eager-SGD run (CLI, two ranks), and of a run whose
-    learning rate a controller halves (API, one rank)."""
+    """Run directories of an auto-tuned SMA run, an eager-SGD run and an Adaptive Hogbatch run with a slow rank
+    (CLI, two ranks), and of a run whose learning rate a controller halves (API, one rank)."""
     base = tmp_path_factory.mktemp("runs")
     for name, extra in {
         "auto": ["--learners", "auto", "--autotune-interval", "10"],
         "eager": ["--algorithm", "eager", "--learners", "2"],
+        "adaptive": [
+            *("--algorithm", "hogbatch", "--learners", "1", "--batch-size", "16,16", "--round-samples", "320"),
+            *("--adaptive-batch", "--adapt-every", "1", "--batch-step", "2", "--inject-imbalance", "slow-rank:1:4"),
+        ],
     }.items():
         job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
         assert job.returncode == 0, job.stderr
     train, test = datasets()
     Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test, controllers=[HalveLrAt(5)])
-    return [base / "auto", base / "eager", base / "controlled"]
+    return [base / "auto", base / "eager", base / "controlled", base / "adaptive"]
 
 
 def records(run_dir) -> list[dict]:
@@ -76,6 +80,11 @@ def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
     assert len(set(learners)) > 1, "the auto-tuner's changes are drawn"
     changes = panel["Learning rate and hyper-parameter changes"].texts
     assert any("lr 0.05→0.025" in text.get_text() for text in changes)
+    [adaptive] = [ax for title, ax in panel.items() if title.startswith("Adaptive batch sizes per rank")]
+    batch_sizes = [line.get_ydata() for line in adaptive.lines[::2]]
+    assert len(batch_sizes) == 2 and batch_sizes[1][-1] < 16, "the slow rank's batch size shrinks"
+    changes = [r for r in records(runs[3]) if r.get("event") == "hyperparams"]
+    assert all(len(c["measured"]["shares"]) == 2 and len(c["changes"]["batch_size"][1]) == 2 for c in changes)
     assert not any(title.startswith("eager-SGD") for title in (ax.get_title() for ax in draw(loaded[:1]).axes))
 
 
