@@ -81,19 +81,27 @@ def common_flags(budget: Budget) -> dict:
     }
 
 
+def imbalanced_runs(name: str, budget: Budget, algorithms: dict[str, dict], reps: int) -> tuple[dict, list[dict]]:
+    """Train every algorithm's flags under each of the budget's imbalances on RANKS ranks, `reps` times
+    interleaved; return each variant's flags and the runs, the variants named `IMBALANCE / ALGORITHM`."""
+    variants = {
+        f"{imbalance} / {algorithm}": {**flags, "inject_imbalance": spec}
+        for imbalance, spec in budget.imbalances.items()
+        for algorithm, flags in algorithms.items()
+    }
+    harness.log(f"{name}: {len(variants)} variants × {reps} on {RANKS} ranks")
+    runs = harness.interleave(
+        {variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s) for variant, flags in variants.items()},
+        reps,
+    )
+    return variants, runs
+
+
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     common = common_flags(budget)
-    variants = {
-        f"{imbalance} / {name}": {**common, **with_lr(flags, budget.lr), "inject_imbalance": spec}
-        for imbalance, spec in budget.imbalances.items()
-        for name, flags in ALGORITHMS.items()
-    }
-    harness.log(f"eager: {len(variants)} variants × {options.reps} on {RANKS} ranks")
-    runs = harness.interleave(
-        {variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s) for variant, flags in variants.items()},
-        options.reps,
-    )
+    algorithms = {name: {**common, **with_lr(flags, budget.lr)} for name, flags in ALGORITHMS.items()}
+    variants, runs = imbalanced_runs("eager", budget, algorithms, options.reps)
     rows = []
     for imbalance in budget.imbalances:
         reference = harness.train_row(runs, f"{imbalance} / ssgd")["tta_s"]

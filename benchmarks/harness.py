@@ -235,7 +235,8 @@ def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
 
 def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
-    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s.
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and,
+    for an asynchronous algorithm, each rank's (group's) updates over the run.
 
     A job that crashes (not one that diverges) is run again, up to `attempts` times in all, so that one
     transient crash (gloo has aborted at exit) does not cost a whole benchmark; the result counts the crashes
@@ -256,6 +257,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
             log(f"  crashed, running it again: {crashes[-1]}")
     summary = records[-1]
     evaluations = [record for record in records if "test_accuracy" in record]
+    asynchronous = [record["async_updates"] for record in evaluations if "async_updates" in record]
     return {
         "reached": summary["reached"],
         "tta_s": summary["time_to_accuracy_s"],
@@ -265,6 +267,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "time_limited": summary.get("time_limited", False),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
+        **({"updates": [sum(counts) for counts in zip(*asynchronous)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),
     }
 

@@ -92,21 +92,11 @@ def chosen(runs: list[dict], variant: str) -> dict:
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     common = eager.common_flags(budget)
-    variants = {
-        f"{imbalance} / {name}": {
-            **common,
-            **flags,
-            **({"probe_seconds": budget.probe_seconds} if "groups" in flags else {}),
-            "inject_imbalance": spec,
-        }
-        for imbalance, spec in budget.imbalances.items()
+    algorithms = {
+        name: {**common, **flags, **({"probe_seconds": budget.probe_seconds} if "groups" in flags else {})}
         for name, flags in ALGORITHMS.items()
     }
-    harness.log(f"omnivore: {len(variants)} variants × {options.reps} on {RANKS} ranks")
-    runs = harness.interleave(
-        {variant: harness.seeded("crossbow", RANKS, flags, budget.timeout_s) for variant, flags in variants.items()},
-        options.reps,
-    )
+    variants, runs = eager.imbalanced_runs("omnivore", budget, algorithms, options.reps)
     first = next(iter(budget.imbalances))
     rows = [
         {

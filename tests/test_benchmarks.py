@@ -17,6 +17,16 @@ COLUMNS = {
     "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
+    "hetero": {
+        "imbalance",
+        "algorithm",
+        "reached",
+        "tta_s",
+        "accuracy",
+        "samples_per_s",
+        "speedup",
+        "update_balance",
+    },
 }
 RECORD_KEYS = {
     "benchmark",
