@@ -18,6 +18,7 @@ from crossbow_mpi.config import Config
 from crossbow_mpi.data.prefetch import to_device
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.metrics import MetricsLog, Progress
+from crossbow_mpi.optimizer import OmnivoreOptimizer
 from crossbow_mpi.run import Run, Step
 from crossbow_mpi.schedule import Schedule
 from crossbow_mpi.state import TrainState
@@ -216,6 +217,28 @@ class Tuning:
             self.tuner.load_state_dict(state)
 
 
+class Retuning:
+    """With `--groups auto`: Omnivore's optimizer searches again around the current groups every `optimizer_epoch`
+    seconds of training (collective: rank 0's clock decides for every rank)."""
+
+    def __init__(self, config: Config, world: Communicator, metrics: MetricsLog, progress: Progress):
+        self.config = config
+        self.world = world
+        self.metrics = metrics
+        self.progress = progress
+        self.every = config.optimizer_epoch if config.groups == "auto" else 0.0
+        self.last: float | None = None
+        """Training seconds at the last search (until the first: this session's start)."""
+
+    def after_step(self, run: Run, clock: Clock) -> None:
+        if not self.every:
+            return
+        self.last = run.state.elapsed_s if self.last is None else self.last
+        if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
+            OmnivoreOptimizer(self.config, run, self.metrics, self.progress).retune()
+            self.last = clock.elapsed(run.state)
+
+
 class Controller(Protocol):
     """Changes hyper-parameters during a run: called after every step, returns the changes to make (the same on
     every rank), or None. A `measured` entry is not a change: it is written into the change's record (what the
@@ -303,6 +326,7 @@ class Components:
     checkpoints: Checkpoints
     tuning: Tuning
     controllers: Controllers
+    retuning: Retuning
     divergence: DivergenceCheck
     stopping: StopAgreement
     watchdog: Watchdog | _NoWatchdog
@@ -336,6 +360,7 @@ class Components:
             checkpoints=checkpoints,
             tuning=tuning,
             controllers=Controllers(controllers, metrics),
+            retuning=Retuning(config, world, metrics, progress),
             divergence=DivergenceCheck(world),
             stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, runtime.stop_requested),
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),

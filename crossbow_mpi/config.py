@@ -94,6 +94,9 @@ class Config:
     Omnivore's optimizer picks the groups, momentum and learning rate from timed probes before training."""
     probe_seconds: float = 30.0
     """With `--groups auto`: seconds of training per optimizer probe."""
+    optimizer_epoch: float = 600.0
+    """With `--groups auto`: seconds of training between the optimizer's searches around the current groups,
+    momentum and learning rate (0: search only before training)."""
     round_samples: int = 0
     """`omnivore`, `hogbatch`, `elastic` (its merge interval): samples per round. Within a round every rank steps
     at its own pace on the batches handed out to it; the ranks meet between rounds, where stop signals,
@@ -226,6 +229,7 @@ class Config:
             "max_memory",
             "collective_timeout",
             "round_samples",
+            "optimizer_epoch",
         )
         for name in non_negative:
             if not min(values(getattr(self, name))) >= 0:

@@ -5,7 +5,9 @@ probes before training, following the released artifact's cold start:
 2. then g doubled while it divides the ranks: μ ∈ {0, .3, .6, .9} × η ∈ {η*, η*/10} around the previous g's best, pruned
    as the artifact does (no larger μ at η*, no smaller μ at η*/10, nothing that dominates a diverged point);
 3. stop adding groups when a g is less than 10 % faster per iteration than the previous one;
-4. train with the (g, μ, η) of the lowest score.
+4. train with the (g, μ, η) of the lowest score;
+5. every `--optimizer-epoch` seconds of training, search again: μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} at the current
+   g, and at g/2 while the best μ is 0 (asynchrony already gives the momentum).
 
 Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
 one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 from crossbow_mpi.config import Config
 from crossbow_mpi.metrics import MetricsLog, Progress
@@ -62,12 +65,15 @@ class OmnivoreOptimizer:
         self.probes: list[dict] = []
 
     def choose(self) -> dict:
-        """Probe, then leave the run at its snapshot with the best (g, μ, η); return the choice's record."""
-        run, started = self.run, time.perf_counter()
-        run.settle()
-        run.algorithm.drain()
-        snapshot = run.state_dict()
-        round_samples, run.round_samples = run.round_samples, run.sampler.step_size(run.learners.k, run.hp.batch_size)
+        """Probe from cold, then leave the run at its snapshot with the best (g, μ, η); return the choice's record."""
+        return self._search("choice", self._cold_start, count_time=True)
+
+    def retune(self) -> dict:
+        """Search μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} around the current g, halving g while the best μ there is 0;
+        leave the run at its snapshot with the best; return the record."""
+        return self._search("retune", self._around_current, count_time=False)
+
+    def _cold_start(self, snapshot: dict) -> None:
         for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
             self.probe(snapshot, 1, COLD_MOMENTUM, lr)
         previous = min(p["s_per_iteration"] for p in self.probes)
@@ -80,22 +86,44 @@ class OmnivoreOptimizer:
             if not measured or min(measured) > (1 - MIN_SPEEDUP) * previous:
                 break
             previous = min(measured)
+
+    def _around_current(self, snapshot: dict) -> None:
+        groups, lr = self.run.algorithm.transport.groups, self.run.hp.lr
+        while True:
+            for momentum in MOMENTA:
+                for rate in (lr, lr / 10):
+                    self.probe(snapshot, groups, momentum, rate)
+            if self.best(groups)["momentum"] > 0 or groups == 1:
+                return
+            groups //= 2
+
+    def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict:
+        """Run `search` from a snapshot of the run, in rounds of one global step, then restore the snapshot with the
+        best probe's (g, μ, η) and record the decision (collective)."""
+        run, started = self.run, time.perf_counter()
+        run.settle()
+        run.algorithm.drain()
+        snapshot = run.state_dict()
+        round_samples, run.round_samples = run.round_samples, run.sampler.step_size(run.learners.k, run.hp.batch_size)
+        self.probes = []
+        search(snapshot)
         choice = self.best()
         self.start_from(snapshot, choice["groups"], choice["momentum"], choice["lr"])
         run.round_samples = round_samples
         seconds = self.world.bcast_json(time.perf_counter() - started)
-        run.state.elapsed_s += seconds
+        if count_time:  # before the loop's clock starts; a re-tune inside the loop is on its clock already
+            run.state.elapsed_s += seconds
         record = {
             "event": "optimizer",
-            "decision": "choice",
+            "decision": decision,
             **_recorded(choice),
             "probes": len(self.probes),
             "search_s": seconds,
         }
         self.metrics.write(record)
         self.progress.note(
-            f"omnivore optimizer: {choice['groups']} groups, momentum {choice['momentum']}, lr {choice['lr']:g} "
-            f"after {len(self.probes)} probes in {seconds:.1f}s"
+            f"omnivore optimizer ({decision}): {choice['groups']} groups, momentum {choice['momentum']}, "
+            f"lr {choice['lr']:g} after {len(self.probes)} probes in {seconds:.1f}s"
         )
         return record
 

@@ -204,6 +204,7 @@ class Trainer:
             c.watchdog.progress(state.iteration)
             c.tuning.after_step(run, step, clock.elapsed(state))
             c.controllers.after_step(run, step, clock.elapsed(state))
+            c.retuning.after_step(run, clock)
             evaluate, save = c.evaluation.due(run), c.checkpoints.due(state) or stop
             if evaluate or save:
                 run.settle()

@@ -180,6 +180,7 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
         (1, ["--groups", "auto", "--learners", "auto"], "--groups auto and --learners auto cannot be combined"),
         (1, ["--groups", "2", "--algorithm", "ssgd"], "--groups applies to --algorithm omnivore only"),
         (1, ["--groups", "auto", "--probe-seconds", "0"], "--probe-seconds must be positive, got 0.0"),
+        (1, ["--groups", "auto", "--optimizer-epoch", "-1"], "--optimizer-epoch must not be negative, got -1.0"),
     ],
 )
 def test_bad_groups_exit_2_with_one_line(tmp_path, ranks, args, message):
@@ -229,3 +230,36 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
     evaluations = [r for r in records if "test_accuracy" in r]
     assert evaluations and all(len(r["async_updates"]) == choice["groups"] for r in evaluations)
     assert all(r["lr"] == choice["lr"] for r in evaluations)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_epoch(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(
+        shared_tmp,
+        algorithm="omnivore",
+        groups="auto",
+        learners=1,
+        probe_seconds=0.01,
+        optimizer_epoch=1e-6,  # due after every round
+        eval_every=0,
+        round_samples=10 * lockstep(comm, 1),
+    )
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert result.iterations == STEPS // 10
+    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+    records = [r for r in map(json.loads, comm.bcast_json(text).splitlines()) if r.get("event") == "optimizer"]
+    decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
+    assert [records[i]["decision"] for i in decisions] == ["choice"] + ["retune"] * (STEPS // 10)
+    for before, after in zip(decisions, decisions[1:]):
+        current, probes, decision = records[before], records[before + 1 : after], records[after]
+        assert decision["probes"] == len(probes)
+        groups, lr = current["groups"], current["lr"]
+        while probes:
+            at_groups, probes = probes[:8], probes[8:]
+            assert {(p["groups"], p["momentum"], p["lr"]) for p in at_groups} == {
+                (groups, m, rate) for m in (0.0, 0.3, 0.6, 0.9) for rate in (lr, lr / 10)
+            }
+            best = min(at_groups, key=lambda p: math.inf if p["score"] is None else p["score"])
+            assert (best["momentum"] == 0 and groups > 1) == bool(probes), "g halves exactly when the best μ is 0"
+            groups //= 2
