@@ -197,26 +197,21 @@ def test_the_optimizer_grid_is_pruned_as_the_artifact_does():
     assert grid(0.9, 0.1, diverged=[(0.3, 0.1)]) == [(0.0, 0.1), (0.9, 0.01)]
 
 
+def auto_run(comm, shared_tmp, **overrides) -> tuple:
+    """Train with `--groups auto`; return the result, the config and every metrics record."""
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, **overrides)
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+    return result, cfg, [json.loads(line) for line in comm.bcast_json(text).splitlines()]
+
+
 @pytest.mark.mpi(min_size=1)
 def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, shared_tmp):
-    train, test = datasets(comm.size, 1)
-    cfg = run_config(
-        shared_tmp,
-        algorithm="omnivore",
-        groups="auto",
-        learners=1,
-        probe_seconds=0.05,
-        eval_every=40,
-        round_samples=lockstep(comm, 1),
+    result, cfg, records = auto_run(
+        comm, shared_tmp, probe_seconds=0.05, eval_every=40, round_samples=lockstep(comm, 1)
     )
-    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert result.iterations == STEPS, "training starts from the snapshot the probes started from"
-    records = [
-        json.loads(line)
-        for line in comm.bcast_json(
-            (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
-        ).splitlines()
-    ]
     probes = [r for r in records if r.get("decision") == "probe"]
     [choice] = [r for r in records if r.get("decision") == "choice"]
     assert [(p["groups"], p["momentum"], p["lr"]) for p in probes[:4]] == [
@@ -234,21 +229,16 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
 
 @pytest.mark.mpi(min_size=1)
 def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_epoch(comm, shared_tmp):
-    train, test = datasets(comm.size, 1)
-    cfg = run_config(
+    result, _, records = auto_run(
+        comm,
         shared_tmp,
-        algorithm="omnivore",
-        groups="auto",
-        learners=1,
         probe_seconds=0.01,
         optimizer_epoch=1e-6,  # due after every round
         eval_every=0,
         round_samples=10 * lockstep(comm, 1),
     )
-    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert result.iterations == STEPS // 10
-    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
-    records = [r for r in map(json.loads, comm.bcast_json(text).splitlines()) if r.get("event") == "optimizer"]
+    records = [r for r in records if r.get("event") == "optimizer"]
     decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
     assert [records[i]["decision"] for i in decisions] == ["choice"] + ["retune"] * (STEPS // 10)
     for before, after in zip(decisions, decisions[1:]):
