@@ -109,6 +109,15 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
         ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
         ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams),
     ]
+    if any(run.of("optimizer") for run in runs):
+        panels.append(
+            (
+                "Omnivore's optimizer: probe scores (dots, labelled g/μ/η;\nx: diverged) and decisions (lines)",
+                "probe, in search order",
+                "mean training loss over the probe's last steps",
+                _draw_optimizer,
+            )
+        )
     if any(_batch_changes(run) for run in runs):
         panels.append(
             (
@@ -150,19 +159,18 @@ def _draw_learners(ax, run: RunRecords, color) -> None:
 def _draw_hyperparams(ax, run: RunRecords, color) -> None:
     changes = [(c["time_s"], c["changes"]["lr"][1]) for c in run.of("hyperparams") if "lr" in c["changes"]]
     _step(ax, [(r["time_s"], r["lr"]) for r in run.evaluations] + changes, color)
-    for change in run.of("hyperparams"):
-        ax.axvline(change["time_s"], color=color, linestyle=":")
+    per_rank = _batch_changes(run)  # drawn in their own panel
+    for change in (c for c in run.of("hyperparams") if c not in per_rank):
         text = ", ".join(f"{name} {_value(old)}→{_value(new)}" for name, (old, new) in change["changes"].items())
-        ax.annotate(
-            text,
-            (change["time_s"], 1),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color=color,
-        )
+        _mark(ax, change["time_s"], text, color, ":")
+
+
+def _mark(ax, x: float, text: str, color, linestyle: str) -> None:
+    """Draw a vertical line at x with `text` along it, from the top."""
+    ax.axvline(x, color=color, linestyle=linestyle)
+    ax.annotate(
+        text, (x, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7, color=color
+    )
 
 
 def _value(value) -> str:
@@ -188,6 +196,23 @@ def _draw_batches(ax, run: RunRecords, color) -> None:
         ax.annotate(str(rank), points[-1], color=color, fontsize=8)
         shares = [(c["time_s"], 100 * c["measured"]["shares"][rank]) for c in changes if "measured" in c]
         ax.plot([t for t, _ in shares], [p for _, p in shares], color=color, linestyle=":", marker=".")
+
+
+def _draw_optimizer(ax, run: RunRecords, color) -> None:
+    """Draw the optimizer's probes in search order and a vertical line, labelled with its choice, after each
+    decision (the cold start's choice and every re-tune)."""
+    probes = 0
+    finite = [p["score"] for p in run.of("optimizer") if p["decision"] == "probe" and p["score"] is not None]
+    top = max(finite, default=1.0)
+    for record in run.of("optimizer"):
+        setting = f"{record['groups']}/{record['momentum']:g}/{record['lr']:g}"
+        if record["decision"] == "probe":
+            diverged = record["score"] is None
+            ax.plot(probes, top if diverged else record["score"], color=color, marker="x" if diverged else ".")
+            ax.annotate(setting, (probes, top if diverged else record["score"]), fontsize=6, color=color)
+            probes += 1
+        else:
+            _mark(ax, probes - 0.5, f"{record['decision']}: g/μ/η {setting}", color, "--")
 
 
 def _draw_eager(ax, run: RunRecords, color) -> None:

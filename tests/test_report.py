@@ -29,8 +29,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run directories of an auto-tuned SMA run, an eager-SGD run and an Adaptive Hogbatch run with a slow rank
-    (CLI, two ranks), and of a run whose learning rate a controller halves (API, one rank)."""
+    """Run directories of an auto-tuned SMA run, an eager-SGD run, an Adaptive Hogbatch run with a slow rank and an
+    Omnivore run with its optimizer (CLI, two ranks), and of a run whose learning rate a controller halves (API, one
+    rank)."""
     base = tmp_path_factory.mktemp("runs")
     for name, extra in {
         "auto": ["--learners", "auto", "--autotune-interval", "10"],
@@ -39,12 +40,13 @@ def runs(tmp_path_factory):
             *("--algorithm", "hogbatch", "--learners", "1", "--batch-size", "16,16", "--round-samples", "320"),
             *("--adaptive-batch", "--adapt-every", "1", "--batch-step", "2", "--inject-imbalance", "slow-rank:1:4"),
         ],
+        "omnivore": ["--algorithm", "omnivore", "--groups", "auto", "--learners", "1", "--probe-seconds", "0.05"],
     }.items():
         job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
         assert job.returncode == 0, job.stderr
     train, test = datasets()
     Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test, controllers=[HalveLrAt(5)])
-    return [base / "auto", base / "eager", base / "controlled", base / "adaptive"]
+    return [base / "auto", base / "eager", base / "controlled", base / "adaptive", base / "omnivore"]
 
 
 def records(run_dir) -> list[dict]:
@@ -85,6 +87,13 @@ def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
     assert len(batch_sizes) == 2 and batch_sizes[1][-1] < 16, "the slow rank's batch size shrinks"
     changes = [r for r in records(runs[3]) if r.get("event") == "hyperparams"]
     assert all(len(c["measured"]["shares"]) == 2 and len(c["changes"]["batch_size"][1]) == 2 for c in changes)
+    [optimizer] = [ax for title, ax in panel.items() if title.startswith("Omnivore's optimizer")]
+    searched = [r for r in records(runs[4]) if r.get("event") == "optimizer"]
+    probes = [r for r in searched if r["decision"] == "probe"]
+    assert len(optimizer.lines) == len(searched), "one mark per probe, one line per decision"
+    choice = [r for r in searched if r["decision"] == "choice"][0]
+    setting = f"{choice['groups']}/{choice['momentum']:g}/{choice['lr']:g}"
+    assert any(t.get_text() == f"choice: g/μ/η {setting}" for t in optimizer.texts) and len(probes) >= 4
     assert not any(title.startswith("eager-SGD") for title in (ax.get_title() for ax in draw(loaded[:1]).axes))
 
 
