@@ -39,10 +39,10 @@ THROUGHPUT = {
     "steps": 20,
 }
 SHARED_GPU_TEST = "test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error"
-MIXED_DEVICES_TEST = "test_mixed_devices_with_unequal_batches_train_like_single_process_sgd"
-TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, f"{SHARED_GPU_TEST} or {MIXED_DEVICES_TEST}"))
-"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU and the mixed-devices test a GPU
-rank and a CPU rank; every test runs on one rank."""
+MIXED_DEVICES_TESTS = "test_mixed_devices"
+TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, f"{SHARED_GPU_TEST} or {MIXED_DEVICES_TESTS}"))
+"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU and the mixed-devices tests (S-SGD
+with unequal batches, Hogbatch, Adaptive Hogbatch) a GPU rank and a CPU rank; every test runs on one rank."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
 

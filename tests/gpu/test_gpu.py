@@ -245,3 +245,23 @@ def test_mixed_devices_with_unequal_batches_train_like_single_process_sgd(comm, 
     result = trainer.fit(mlp, train, test)
     model = sgd_reference(mlp, cfg, train, sum(sizes), steps)
     assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-4
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adaptive):
+    """A GPU rank beside CPU ranks (`--device mixed`): Hogbatch, and Adaptive Hogbatch, run to the end of the epoch
+    with every rank making updates and no sample taken twice."""
+    import json
+
+    from test_rounds import rounds_run
+
+    extra = {"adaptive_batch": True, "adapt_every": 1, "batch_min": 2} if adaptive else {}
+    result, taken, records, num_samples, largest = rounds_run(comm, shared_tmp, device="mixed", **extra)
+    assert torch.isfinite(result.central).all()
+    assert len(taken) == len(set(taken)) and len(taken) > num_samples - comm.size * 4 * largest
+    assert all(sum(r["async_updates"][rank] for r in records) > 0 for rank in range(comm.size))
+    if adaptive:
+        text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
+        changes = [r for r in map(json.loads, comm.bcast_json(text).splitlines()) if r.get("event") == "hyperparams"]
+        assert all(len(c["measured"]["shares"]) == comm.size for c in changes)
