@@ -24,9 +24,11 @@ ALGORITHMS = {
     "hogbatch": {"algorithm": "hogbatch", "momentum": 0},
     "hogbatch adaptive": {"algorithm": "hogbatch", "momentum": 0, "adaptive_batch": True, "adapt_every": 1},
     "ssgd adaptive": {"algorithm": "ssgd", "adaptive_batch": True, "adapt_every": 20},
-    "elastic": {"algorithm": "elastic"},
+    "elastic": {"algorithm": "elastic", "lr_factor": 0.25},
 }
-"""Variants; `adapt_every` counts rounds for Hogbatch, steps for S-SGD."""
+"""Variants; `adapt_every` counts rounds for Hogbatch, steps for S-SGD; `lr_factor` scales the budget's learning
+rate (elastic's local steps are single-learner steps of one rank's batch: a quarter of S-SGD's aggregate batch on
+4 ranks, so a quarter of its learning rate)."""
 ROUNDS = ("hogbatch", "elastic")
 """The algorithms that run in rounds, with per-rank update counts."""
 
@@ -76,12 +78,14 @@ COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "accuracy", "samples_pe
 
 
 def variant_flags(budget: Budget, flags: dict) -> dict:
-    """Return a variant's own training flags with the budget's round length and adaptive-batch bounds where they
-    apply."""
+    """Return a variant's own training flags with the budget's round length, adaptive-batch bounds and learning
+    rate where they apply."""
+    flags = dict(flags)
+    lr = {"lr": budget.lr * flags.pop("lr_factor")} if "lr_factor" in flags else {}
     rounds = {"round_samples": budget.round_samples} if flags["algorithm"] in ROUNDS else {}
     bounds = ("batch_min", "batch_max", "batch_step")
     adaptive = {key: getattr(budget, key) for key in bounds} if flags.get("adaptive_batch") else {}
-    return {**flags, **rounds, **adaptive}
+    return {**flags, **rounds, **adaptive, **lr}
 
 
 def update_balance(runs: list[dict], variant: str) -> float | None:

@@ -84,6 +84,9 @@ class Config:
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
     """SMA: momentum μ_z of the central model's updates."""
+    merge_momentum: float = 0.0
+    """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
+    step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""
     eager_mode: str = "solo"
     """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
     eager_sync_every: int = 32
@@ -219,6 +222,7 @@ class Config:
             "weight_decay",
             "alpha",
             "central_momentum",
+            "merge_momentum",
             "lr_gamma",
             "warmup_epochs",
             "eval_every",
@@ -248,8 +252,8 @@ class Config:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
-        if not self.momentum < 1 or not self.central_momentum < 1:
-            raise ConfigError("--momentum and --central-momentum must be below 1")
+        if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:
+            raise ConfigError("--momentum, --central-momentum and --merge-momentum must be below 1")
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):

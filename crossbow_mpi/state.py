@@ -76,6 +76,8 @@ class HyperParams(_Serialised):
     """SMA: fraction of each learner's difference to z moved per sync."""
     central_momentum: float
     """SMA: momentum μ_z of the central model's updates."""
+    merge_momentum: float
+    """elastic: momentum μ_z of the central model's step to each round's merged model."""
     batch_size: int | tuple[int, ...]
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
 

@@ -101,7 +101,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def elastic_reference(model_fn, cfg: Config, train, world_size: int, learners: int, steps: int) -> torch.Tensor:
     """Return z after `steps` rounds of one global step of adaptive elastic averaging on equal ranks (every p_i
     equal): each learner starts from z, takes one momentum-SGD step on its slice, and z moves to the learners' mean
-    by the central momentum step."""
+    by the central momentum step (`merge_momentum`)."""
     torch.manual_seed(cfg.seed)
     module = model_fn()
     z = state_of(module).detach()
@@ -124,6 +124,6 @@ def elastic_reference(model_fn, cfg: Config, train, world_size: int, learners: i
             velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - cfg.lr * g
             states.append(torch.cat([w + velocity[(r, j)], after_forward[n:]]))
         merged = torch.stack(states).mean(0)
-        u = merged[:n] - z[:n] + cfg.central_momentum * u
+        u = merged[:n] - z[:n] + cfg.merge_momentum * u
         z = torch.cat([z[:n] + u, merged[n:]])
     return z

@@ -129,11 +129,16 @@ def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners", [1, 2])
-def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_tmp, learners):
+@pytest.mark.parametrize("learners, merge_momentum", [(1, 0.0), (2, 0.5)])
+def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_tmp, learners, merge_momentum):
     train, test = datasets(comm.size, learners)
     cfg = run_config(
-        shared_tmp, algorithm="elastic", learners=learners, round_samples=comm.size * learners * BATCH, eval_every=40
+        shared_tmp,
+        algorithm="elastic",
+        learners=learners,
+        round_samples=comm.size * learners * BATCH,
+        eval_every=40,
+        merge_momentum=merge_momentum,
     )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     assert result.iterations == STEPS

@@ -2,12 +2,13 @@
 at its own pace on batches handed out as it is free, and the models merge every round, weighted by the updates
 each rank made (normalised merging).
 
-Learner j of rank i, every local step (its own batch, taken from the round as soon as the rank is free):
-    g = ∇ℓ(w_j) + λ w_j;  v_j ← μ v_j − η g;  w_j ← w_j + v_j
+Learner j of rank i, every local step (its own batch of b_i samples, taken from the round as soon as the rank is
+free; its step size scaled linearly with its batch size, as the paper's code does):
+    g = ∇ℓ(w_j) + λ w_j;  η_i = η b_i / mean_q b_q;  v_j ← μ v_j − η_i g;  w_j ← w_j + v_j
 At the round's end (every `--round-samples` samples), with u_i the local steps rank i took in the round:
     p_i = u_i / Σ_q u_q                                  (normalised merging)
     m = Σ_i p_i (1/k) Σ_j w_j                            (z's BatchNorm buffers: the same mean of the learners')
-    Δz = m − z;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz       (the central momentum step, as SMA's)
+    Δz = m − z;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz       (SMA's central momentum step; μ_z: `merge_momentum`)
     every learner restarts from z (keeping its momentum v_j)
 
 With `--adaptive-batch`, a faster rank's batches grow until the ranks make equal numbers of updates per round,
@@ -33,13 +34,19 @@ class ElasticAveraging(RoundsAlgorithm):
         """What a step sends the server: nothing to apply, only the request for the next position."""
         self.round_steps = 0
         """Local steps this rank took in the current round."""
+        self.lr_scale = 1.0
+        """b_i / mean_q b_q for the current round."""
         self.transport.serve((self.ticket,), lambda held, message, params: None)
+
+    def begin_round(self, offset: int, end: int, limit: int, learners: int, batch_sizes: tuple[int, ...]) -> int | None:
+        self.lr_scale = batch_sizes[self.transport.data.rank] * len(batch_sizes) / sum(batch_sizes)
+        return super().begin_round(offset, end, limit, learners, batch_sizes)
 
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners = self.hp, self.learners
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
         g.add_(w, alpha=hp.weight_decay)
-        v.mul_(hp.momentum).sub_(g, alpha=lr)
+        v.mul_(hp.momentum).sub_(g, alpha=lr * self.lr_scale)
         w.add_(v)
 
     def sync(self, lr: float) -> None:
@@ -58,7 +65,7 @@ class ElasticAveraging(RoundsAlgorithm):
         num_params, carried = learners.layout.num_params, self.message[-1:]
         torch.div(self.message[num_params:-1], carried, out=central.buffers)
         dz = self.message[:num_params].div_(carried).sub_(central.params)
-        dz.add_(central.u, alpha=hp.central_momentum)
+        dz.add_(central.u, alpha=hp.merge_momentum)
         central.u.copy_(dz)
         central.params.add_(dz)
         learners.reset_to(central.z)
