@@ -14,6 +14,7 @@ synchronous algorithms, where every rank takes every step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from benchmarks import eager, harness
 
@@ -94,6 +95,34 @@ def update_balance(runs: list[dict], variant: str) -> float | None:
     return harness.median([harness.ratio(max(c), min(c)) for c in counts])
 
 
+def plot(rows: list[dict], path: Path) -> list[str]:
+    """Draw each variant's time to the target under each imbalance, bars labelled with the update balance; return
+    the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    imbalances = list(dict.fromkeys(row["imbalance"] for row in rows))
+    width = 0.8 / len(ALGORITHMS)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(ALGORITHMS):
+        mine = {row["imbalance"]: row for row in rows if row["algorithm"] == name}
+        xs = [j + (i - (len(ALGORITHMS) - 1) / 2) * width for j in range(len(imbalances))]
+        times = [mine[imbalance]["tta_s"] or 0 for imbalance in imbalances]
+        bars = ax.bar(xs, times, width, label=name)
+        labels = [f"{mine[imbalance]['update_balance'] or 0:.1f}" for imbalance in imbalances]
+        ax.bar_label(bars, labels, fontsize=7)
+    ax.set_xticks(range(len(imbalances)), [f"slow rank: {imbalance}" for imbalance in imbalances])
+    ax.set_ylabel("seconds to the target (0: not reached)")
+    ax.set_title("Time to the target accuracy; bar labels: update balance (max / min per rank)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [str(path)]
+
+
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     common = eager.common_flags(budget)
@@ -123,6 +152,7 @@ def measure(options: harness.Options) -> harness.Report:
         rows=rows,
         runs=runs,
         settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants},
+        files=plot(rows, options.out / "hetero.png"),
     )
 
 
