@@ -123,7 +123,12 @@ def test_losing_a_node_ends_the_job_within_30_seconds(cluster, tmp_path):
         assert cluster.script("kill", f"{cluster.prefix}-1").returncode == 0
         killed = time.monotonic()
         job.wait(timeout=60)
-        assert time.monotonic() - killed < 30 and job.returncode != 0, job.stderr.read().decode()[-3000:]
+        ended = time.monotonic() - killed
+        stderr = job.stderr.read().decode()
+        # Open MPI's launcher ends the job on losing a node's daemon, saying so; its own exit status is then
+        # sometimes 0 (seen with Open MPI 5.0.11), so its message counts as the failure it reports.
+        reported = job.returncode != 0 or "lost communication with a remote daemon" in stderr
+        assert ended < 30 and reported, stderr[-3000:]
     finally:
         if job.poll() is None:
             job.kill()
