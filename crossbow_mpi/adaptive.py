@@ -74,3 +74,11 @@ class AdaptiveBatch:
         sizes = adapt(self.policy, shares, current)
         self.history.append({"iteration": run.state.iteration, "shares": shares, "batch_sizes": list(sizes)})
         return {"batch_size": sizes, "measured": {"shares": shares}} if sizes != current else None
+
+    def state_dict(self) -> dict:
+        """Return the window measured so far on this rank, and the history."""
+        return {"seconds": self.seconds, "steps": self.steps, "updates": self.updates, "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seconds, self.steps, self.updates = state["seconds"], state["steps"], state["updates"]
+        self.history = list(state["history"])

@@ -8,7 +8,8 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
     /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
-    /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r)
+    /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r), controllers (JSON: the state of each
+                         hyper-parameter controller on rank r, null for one without; absent: none)
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
     /ranks/<r>/momentum  [k_r, num_params]
     /ranks/<r>/rng       uint8                 JSON of rank r's Python, NumPy and torch generator states
@@ -72,6 +73,7 @@ def save(
     learners = snapshot["learners"]
     rank_parts = [
         json.dumps(snapshot["hyperparams"]).encode(),
+        json.dumps(snapshot.get("controllers", [])).encode(),
         _bytes(learners["weights"]),
         _bytes(learners["momentum"]),
         json.dumps(snapshot["rng"]).encode(),
@@ -126,9 +128,10 @@ def _write(
             group.create_dataset("u", data=np.frombuffer(u, dtype=dtype))
             group.create_dataset("extra", data=np.frombuffer(extra, dtype=np.uint8))
             sizes.append((group["z"].size, group["u"].size))
-        for rank, (hyperparams, weights, momentum, rng) in enumerate(zip(*gathered)):
+        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
+            group.attrs["controllers"] = controllers.decode()
             num_state, num_params = sizes[rank % stages]
             group.create_dataset("weights", data=np.frombuffer(weights, dtype=dtype).reshape(-1, num_state))
             group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=dtype).reshape(-1, num_params))
@@ -216,6 +219,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         "tuner": header["tuner"],
         "algorithm": header["algorithm"],
         "hyperparams": header["hyperparams"][source],
+        "controllers": header["controllers"][world.rank] if mine else [],
         "k": header["learners"][source],
         "central": {"z": z, "u": u, "extra": extra},
         "learners": learners,
@@ -262,6 +266,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
             "tuner": json.loads(f["train"].attrs["tuner"]),
             "algorithm": json.loads(f["train"].attrs["algorithm"]),
             "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
+            "controllers": [json.loads(f[f"ranks/{r}"].attrs.get("controllers", "[]")) for r in range(held)],
             "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
             "notes": notes + [f"resumed from {path.name}"],
         }

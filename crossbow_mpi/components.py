@@ -254,6 +254,17 @@ class Controllers:
         self.controllers = list(controllers)
         self.metrics = metrics
 
+    def state_dict(self) -> list:
+        """Return each controller's state (its `state_dict()`, None for one without), on this rank."""
+        return [c.state_dict() if hasattr(c, "state_dict") else None for c in self.controllers]
+
+    def load_state_dict(self, states: list) -> None:
+        """Restore the controllers' states saved by the same list of controllers (others start afresh)."""
+        if len(states) == len(self.controllers):
+            for controller, state in zip(self.controllers, states):
+                if state is not None and hasattr(controller, "load_state_dict"):
+                    controller.load_state_dict(state)
+
     def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:
         for controller in self.controllers:
             changes = dict(controller(run, step) or {})
@@ -267,10 +278,11 @@ class Controllers:
 class Checkpoints:
     """Write the whole training state when due, and read it back on resume (both collective over the world)."""
 
-    def __init__(self, config: Config, world: Communicator, tuning: Tuning):
+    def __init__(self, config: Config, world: Communicator, tuning: Tuning, controllers: Controllers):
         self.config = config
         self.world = world
         self.tuning = tuning
+        self.controllers = controllers
 
     def due(self, state: TrainState) -> bool:
         return bool(self.config.checkpoint_every) and state.iteration % self.config.checkpoint_every == 0
@@ -281,6 +293,7 @@ class Checkpoints:
         snapshot = run.state_dict()
         snapshot["train"]["elapsed_s"] = elapsed_s
         snapshot["tuner"] = self.tuning.state_dict()
+        snapshot["controllers"] = self.controllers.state_dict()
         checkpoint.save(
             self.world,
             self.config.run_dir,
@@ -301,6 +314,7 @@ class Checkpoints:
         fixed = self.config.learners if self.config.learners != "auto" else None
         run.load_state_dict(snapshot, learners=fixed)
         self.tuning.load_state_dict(snapshot["tuner"])
+        self.controllers.load_state_dict(snapshot["controllers"])
         if self.world.rank != 0:
             run.state.loss_sum, run.state.loss_count = 0.0, 0
         return notes
@@ -350,7 +364,8 @@ class Components:
         metrics = MetricsLog(config.run_dir, world.rank == 0, config.tensorboard)
         progress = Progress(int(config.epochs * run.num_samples), world.rank == 0)
         tuning = Tuning(config, world, run, device, topology.local_size, metrics, progress)
-        checkpoints = Checkpoints(config, world, tuning)
+        adjusting = Controllers(controllers, metrics)
+        checkpoints = Checkpoints(config, world, tuning, adjusting)
         for note in checkpoints.restore(run) if config.resume else []:
             progress.note(note)
         progress.advance(run.state.samples)
@@ -359,7 +374,7 @@ class Components:
             evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
             checkpoints=checkpoints,
             tuning=tuning,
-            controllers=Controllers(controllers, metrics),
+            controllers=adjusting,
             retuning=Retuning(config, world, metrics, progress),
             divergence=DivergenceCheck(world),
             stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, runtime.stop_requested),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import h5py
 import pytest
 import torch
 from test_user_inputs import ALGORITHMS
@@ -12,6 +13,7 @@ from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, ConfigError, Trainer, runtime
 from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy, adapt
+from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.config import per_rank
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.sampler import GlobalSampler
@@ -199,6 +201,29 @@ def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, share
     training = [i for i in train.used if len(i) != 1][: result.iterations]
     used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
     assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resumed_run_continues_the_adaptive_window_where_its_checkpoint_left_it(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 2000, seed=0)
+    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
+    values = dict(algorithm="ssgd", learners=1, batch_size=16, adaptive_batch=True, adapt_every=5, batch_min=1)
+    values.update(batch_max=64, batch_step=1, inject_imbalance=f"slow-rank:{comm.size - 1}:8", keep_checkpoints=50)
+    Trainer(run_config(shared_tmp, checkpoint_every=3, **values), comm).fit(mlp, train, test)
+    run_dir = shared_tmp / "run"
+    if comm.rank == 0:
+        for path in list_checkpoints(str(run_dir)):
+            if path.name > "checkpoint-000000012.h5":
+                path.unlink()
+        with h5py.File(run_dir / "checkpoint-000000012.h5") as f:
+            saved = [json.loads(f[f"ranks/{r}"].attrs["controllers"]) for r in range(comm.size)]
+        assert all(state["steps"] == 12 % 5 and state["seconds"] > 0 for [state] in saved), saved
+    comm.barrier()
+    before = len((run_dir / "metrics.jsonl").read_text().splitlines()) if comm.rank == 0 else 0
+    Trainer(run_config(shared_tmp, checkpoint_every=3, resume=True, **values), comm).fit(mlp, train, test)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()[before:] if comm.rank == 0 else None
+    changed = [r["iteration"] for r in map(json.loads, comm.bcast_json(lines)) if r.get("event") == "hyperparams"]
+    assert changed and all(iteration % 5 == 0 for iteration in changed), f"windows restarted at resume: {changed}"
 
 
 @pytest.mark.mpi(min_size=1)

@@ -15,7 +15,7 @@ from crossbow_mpi import Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.components import Checkpoints, Tuning
+from crossbow_mpi.components import Checkpoints, Controllers, Tuning
 from crossbow_mpi.optimizer import grid, group_counts
 from crossbow_mpi.run import ROUND_STEPS
 
@@ -149,7 +149,8 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     )
     trainer = Trainer(resumed, comm)
     run = trainer.start(mlp_bn, train, test_set=test)
-    Checkpoints(resumed, comm, Tuning(resumed, comm, run, trainer.device, 1, None, None)).restore(run)
+    tuning = Tuning(resumed, comm, run, trainer.device, 1, None, None)
+    Checkpoints(resumed, comm, tuning, Controllers([], None)).restore(run)
     server = run.algorithm.transport
     assert run.central.z.tolist() == saved["z"] and run.central.u.tolist() == saved["u"]
     assert server.state_dict() == saved["algorithm"] and server.read_version == groups * STEPS

@@ -14,7 +14,7 @@ from torch import nn
 
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.checkpoint import checkpoint_path, list_checkpoints
-from crossbow_mpi.components import Checkpoints, Tuning
+from crossbow_mpi.components import Checkpoints, Controllers, Tuning
 from crossbow_mpi.data import ArrayDataset, synthetic_dataset
 from crossbow_mpi.metrics import MetricsLog, Progress
 
@@ -152,7 +152,8 @@ def restore(scope, cfg, train):
     """Build a run on `scope` and restore the newest checkpoint into it, as `fit` does."""
     run = Trainer(cfg, scope).start(mlp, train)
     metrics, progress = MetricsLog(cfg.run_dir, False), Progress(0, False)
-    Checkpoints(cfg, scope, Tuning(cfg, scope, run, torch.device("cpu"), 1, metrics, progress)).restore(run)
+    tuning = Tuning(cfg, scope, run, torch.device("cpu"), 1, metrics, progress)
+    Checkpoints(cfg, scope, tuning, Controllers([], metrics)).restore(run)
     return run
 
 
