@@ -35,9 +35,14 @@ def same_on_every_rank(comm, array: np.ndarray) -> bool:
     return all(g == gathered[0] for g in gathered)
 
 
-def evaluation_records(comm, run_dir) -> list[dict]:
+def metrics_records(comm, run_dir) -> list[dict]:
+    """Return every record of the run's metrics.jsonl (read on rank 0) on every rank."""
     text = (run_dir / "metrics.jsonl").read_text() if comm.rank == 0 else None
-    return [record for record in map(json.loads, comm.bcast_json(text).splitlines()) if "test_accuracy" in record]
+    return [json.loads(line) for line in comm.bcast_json(text).splitlines()]
+
+
+def evaluation_records(comm, run_dir) -> list[dict]:
+    return [record for record in metrics_records(comm, run_dir) if "test_accuracy" in record]
 
 
 @pytest.mark.mpi(min_size=1)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import h5py
 import pytest
 import torch
+from test_eager import metrics_records
 from test_user_inputs import ALGORITHMS
 from torch.nn.utils import parameters_to_vector
 
@@ -219,10 +220,10 @@ def test_a_resumed_run_continues_the_adaptive_window_where_its_checkpoint_left_i
             saved = [json.loads(f[f"ranks/{r}"].attrs["controllers"]) for r in range(comm.size)]
         assert all(state["steps"] == 12 % 5 and state["seconds"] > 0 for [state] in saved), saved
     comm.barrier()
-    before = len((run_dir / "metrics.jsonl").read_text().splitlines()) if comm.rank == 0 else 0
+    before = len(metrics_records(comm, run_dir))
     Trainer(run_config(shared_tmp, checkpoint_every=3, resume=True, **values), comm).fit(mlp, train, test)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()[before:] if comm.rank == 0 else None
-    changed = [r["iteration"] for r in map(json.loads, comm.bcast_json(lines)) if r.get("event") == "hyperparams"]
+    resumed = metrics_records(comm, run_dir)[before:]
+    changed = [r["iteration"] for r in resumed if r.get("event") == "hyperparams"]
     assert changed and all(iteration % 5 == 0 for iteration in changed), f"windows restarted at resume: {changed}"
 
 

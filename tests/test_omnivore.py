@@ -9,7 +9,7 @@ import math
 import h5py
 import pytest
 import torch
-from test_eager import evaluation_records, mlp_bn
+from test_eager import evaluation_records, metrics_records, mlp_bn
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.checkpoint import list_checkpoints
@@ -203,8 +203,7 @@ def auto_run(comm, shared_tmp, **overrides) -> tuple:
     train, test = datasets(comm.size, 1)
     cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, **overrides)
     result = Trainer(cfg, comm).fit(mlp_bn, train, test)
-    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
-    return result, cfg, [json.loads(line) for line in comm.bcast_json(text).splitlines()]
+    return result, cfg, metrics_records(comm, shared_tmp / "run")
 
 
 @pytest.mark.mpi(min_size=1)

@@ -5,12 +5,11 @@ elastic averaging on equal ranks is synchronous averaging."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
 import torch
-from test_eager import evaluation_records, mlp_bn
+from test_eager import evaluation_records, metrics_records, mlp_bn
 from test_omnivore import divisors
 
 from crossbow_mpi import Trainer
@@ -118,10 +117,7 @@ def test_no_sample_is_taken_twice_and_a_slow_rank_makes_fewer_updates(comm, shar
 def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
     _, taken, _, _, _ = rounds_run(comm, shared_tmp, adaptive_batch=True, adapt_every=1, batch_min=2, epochs=2)
     assert max(Counter(taken).values()) <= 2, "a sample was taken twice in one of the two epochs"
-    text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
-    changes = [
-        r["changes"]["batch_size"] for r in map(json.loads, comm.bcast_json(text).splitlines()) if "changes" in r
-    ]
+    changes = [r["changes"]["batch_size"] for r in metrics_records(comm, shared_tmp / "run") if "changes" in r]
     assert changes, "no batch size changed"
     first, last = changes[0][0], changes[-1][1]
     assert last[-1] < first[-1], f"the slow rank's batch size did not shrink: {changes}"

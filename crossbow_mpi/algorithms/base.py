@@ -109,17 +109,17 @@ class Algorithm:
         self.staged[rows, -1] = self.weight
         return self.staged[rows, :num_params]
 
-    def allreduce_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def allreduce_staged(self, scope: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce [sum of the staged rows' first parts | weighted sum of the learners' buffers | sum of their weights]
         as one message; return the first part and the summed weight of the learners the reduction carried (a
-        one-element tensor: the number of learners, when every weight is 1).
+        one-element tensor: the number of learners, when every weight is 1); over `scope`, default the transport.
 
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
         num_params, message = self.learners.layout.num_params, self.message
         torch.sum(self.staged, 0, out=message)
-        self.transport.allreduce_sum_(message)
+        (scope or self.transport).allreduce_sum_(message)
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)
         return message[:num_params], carried

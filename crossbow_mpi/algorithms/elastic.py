@@ -60,11 +60,8 @@ class ElasticAveraging(RoundsAlgorithm):
         self.allocate_message()
         self.weight = float(self.round_steps)
         torch.mul(learners.params, self.weight, out=self.staged_rows(slice(None)))
-        torch.sum(self.staged, 0, out=self.message)
-        self.transport.data.allreduce_sum_(self.message)
-        num_params, carried = learners.layout.num_params, self.message[-1:]
-        torch.div(self.message[num_params:-1], carried, out=central.buffers)
-        dz = self.message[:num_params].div_(carried).sub_(central.params)
+        merged, carried = self.allreduce_staged(self.transport.data)
+        dz = merged.div_(carried).sub_(central.params)
         dz.add_(central.u, alpha=hp.merge_momentum)
         central.u.copy_(dz)
         central.params.add_(dz)
@@ -79,9 +76,6 @@ class ElasticAveraging(RoundsAlgorithm):
     def statistics(self) -> dict:
         stats = super().statistics()
         return {"async_updates": stats["async_updates"], "async_server_cpu_share": stats["async_server_cpu_share"]}
-
-    def state_dict(self) -> dict:
-        return self.transport.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.transport.load_state_dict(state, (self.ticket,))

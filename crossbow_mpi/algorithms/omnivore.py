@@ -61,8 +61,5 @@ class Omnivore(RoundsAlgorithm):
         self.share_extra_state()
         self.learners.reset_to(self.central.z)
 
-    def state_dict(self) -> dict:
-        return self.transport.state_dict()
-
     def load_state_dict(self, state: dict) -> None:
         self.transport.load_state_dict(state, (self.central.z, self.central.u))

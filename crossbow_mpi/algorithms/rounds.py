@@ -51,3 +51,7 @@ class RoundsAlgorithm(Algorithm):
 
     def statistics(self) -> dict:
         return self.transport.statistics()
+
+    def state_dict(self) -> dict:
+        """Return the server's counters (its held state is the run's central model after `meet`)."""
+        return self.transport.state_dict()

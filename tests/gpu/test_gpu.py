@@ -252,8 +252,7 @@ def test_mixed_devices_with_unequal_batches_train_like_single_process_sgd(comm, 
 def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adaptive):
     """A GPU rank beside CPU ranks (`--device mixed`): Hogbatch, and Adaptive Hogbatch, run to the end of the epoch
     with every rank making updates and no sample taken twice."""
-    import json
-
+    from test_eager import metrics_records
     from test_rounds import rounds_run
 
     extra = {"adaptive_batch": True, "adapt_every": 1, "batch_min": 2} if adaptive else {}
@@ -262,6 +261,5 @@ def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adapti
     assert len(taken) == len(set(taken)) and len(taken) > num_samples - comm.size * 4 * largest
     assert all(sum(r["async_updates"][rank] for r in records) > 0 for rank in range(comm.size))
     if adaptive:
-        text = (shared_tmp / "run" / "metrics.jsonl").read_text() if comm.rank == 0 else None
-        changes = [r for r in map(json.loads, comm.bcast_json(text).splitlines()) if r.get("event") == "hyperparams"]
+        changes = [r for r in metrics_records(comm, shared_tmp / "run") if r.get("event") == "hyperparams"]
         assert all(len(c["measured"]["shares"]) == comm.size for c in changes)
