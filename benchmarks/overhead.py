@@ -1,8 +1,8 @@
 """Framework overhead: 1 rank, 1 learner, crossbow_mpi S-SGD against a bare PyTorch loop, LeNet on MNIST.
 
-Both run in one MPI process with 1 thread, interleaved run by run, on the same model, the same batches (crossbow's
-sampler order for the same seed) and the same update rule (momentum SGD with weight decay); samples/s counts the
-training steps only.
+Both run in one MPI process with 1 and then 2 intra-op threads, interleaved run by run, on the same model, the
+same batches (crossbow's sampler order for the same seed) and the same update rule (momentum SGD with weight
+decay); samples/s counts the training steps only.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ class Budget:
     """How much a mode trains."""
 
     batch_sizes: tuple[int, ...]
+    threads: tuple[int, ...]
+    """Intra-op threads of the process (both loops)."""
     samples: int
     """Training samples of one run (within one epoch)."""
     timeout_s: float
 
 
-FULL = Budget(batch_sizes=(16, 64), samples=16000, timeout_s=600)
-QUICK = Budget(batch_sizes=(16,), samples=320, timeout_s=120)
+FULL = Budget(batch_sizes=(16, 64), threads=(1, 2), samples=16000, timeout_s=900)
+QUICK = Budget(batch_sizes=(16,), threads=(1, 2), samples=320, timeout_s=120)
 
-COLUMNS = ["b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"]
+COLUMNS = ["threads", "b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"]
 
 
 def bare_loop(train_set, batch: int, samples: int, seed: int) -> float:
@@ -66,37 +68,39 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi import Config
     from crossbow_mpi.models import build_model
 
-    torch.set_num_threads(1)
     train_set, test_set = harness.mnist(TEST_SAMPLES)
 
     def model_fn():
         return build_model("lenet", train_set.input_shape, train_set.num_classes)
 
     runs = []
-    for batch in settings["batch_sizes"]:
-        samples = settings["samples"] // batch * batch
+    for threads in settings["threads"]:
+        torch.set_num_threads(threads)
+        for batch in settings["batch_sizes"]:
+            samples = settings["samples"] // batch * batch
 
-        def crossbow(rep: int, batch=batch, samples=samples) -> dict:
-            config = Config(
-                algorithm="ssgd",
-                learners=1,
-                batch_size=batch,
-                lr=LR,
-                epochs=samples / len(train_set),
-                target_accuracy=0,
-                eval_every=harness.NEVER,
-                threads=1,
-                seed=rep + 1,
-            )
-            return {"samples_per_s": harness.crossbow_samples_per_s(config, model_fn, train_set, test_set)}
+            def crossbow(rep: int, batch=batch, samples=samples, threads=threads) -> dict:
+                config = Config(
+                    algorithm="ssgd",
+                    learners=1,
+                    batch_size=batch,
+                    lr=LR,
+                    epochs=samples / len(train_set),
+                    target_accuracy=0,
+                    eval_every=harness.NEVER,
+                    threads=threads,
+                    seed=rep + 1,
+                )
+                return {"samples_per_s": harness.crossbow_samples_per_s(config, model_fn, train_set, test_set)}
 
-        def pytorch(rep: int, batch=batch, samples=samples) -> dict:
-            return {"samples_per_s": bare_loop(train_set, batch, samples, seed=rep + 1)}
+            def pytorch(rep: int, batch=batch, samples=samples) -> dict:
+                return {"samples_per_s": bare_loop(train_set, batch, samples, seed=rep + 1)}
 
-        runs += [
-            {"b": batch, **run}
-            for run in harness.interleave({"crossbow": crossbow, "pytorch": pytorch}, settings["reps"], quiet=True)
-        ]
+            variants = {"crossbow": crossbow, "pytorch": pytorch}
+            runs += [
+                {"threads": threads, "b": batch, **run}
+                for run in harness.interleave(variants, settings["reps"], quiet=True)
+            ]
     return {"runs": runs}
 
 
@@ -104,22 +108,25 @@ def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     runs = harness.run_worker(options.name, 1, {**asdict(budget), "reps": options.reps}, budget.timeout_s)["runs"]
     rows = []
-    for batch in budget.batch_sizes:
-        mine = [run for run in runs if run["b"] == batch]
-        rates = {
-            system: harness.median(harness.column(mine, system, "samples_per_s")) for system in ("crossbow", "pytorch")
-        }
-        rows.append(
-            {
-                "b": batch,
-                "crossbow_samples_per_s": rates["crossbow"],
-                "pytorch_samples_per_s": rates["pytorch"],
-                "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
+    for threads in budget.threads:
+        for batch in budget.batch_sizes:
+            mine = [run for run in runs if run["b"] == batch and run["threads"] == threads]
+            rates = {
+                system: harness.median(harness.column(mine, system, "samples_per_s"))
+                for system in ("crossbow", "pytorch")
             }
-        )
+            rows.append(
+                {
+                    "threads": threads,
+                    "b": batch,
+                    "crossbow_samples_per_s": rates["crossbow"],
+                    "pytorch_samples_per_s": rates["pytorch"],
+                    "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
+                }
+            )
     return harness.Report(
-        question="Training samples/s on 1 rank × 1 thread, 1 learner, LeNet on MNIST: crossbow_mpi S-SGD against "
-        "a bare PyTorch loop on the same batches (medians)",
+        question="Training samples/s on 1 rank × 1 and × 2 threads, 1 learner, LeNet on MNIST: crossbow_mpi S-SGD "
+        "against a bare PyTorch loop on the same batches (medians)",
         columns=COLUMNS,
         rows=rows,
         runs=runs,

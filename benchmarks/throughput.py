@@ -1,4 +1,5 @@
-"""Throughput at equal algorithm: S-SGD, batch 64 per rank, 2 ranks × 1 thread, crossbow_mpi against DDP.
+"""Throughput at equal algorithm: S-SGD, batch 64 per rank, crossbow_mpi against DDP, on the machine's 2 cores laid
+out as 2 ranks × 1 thread and as 1 rank × 2 threads.
 
 Both train the same number of samples with one evaluation at the end, run by run interleaved; samples/s counts
 the training steps only (batch fetch, forward, backward, gradient allreduce, update).
@@ -10,7 +11,8 @@ from dataclasses import asdict, dataclass
 
 from benchmarks import harness
 
-RANKS = 2
+LAYOUTS = {"2 ranks x 1 thread": (2, 1), "1 rank x 2 threads": (1, 2)}
+"""Each layout's ranks and threads per rank."""
 BATCH = 64
 LR = 0.01
 
@@ -28,7 +30,7 @@ class Budget:
 FULL = Budget("lenet", "mnist", epochs=0.5, timeout_s=300)
 QUICK = Budget("mlp", "synthetic-mnist", epochs=0.02, timeout_s=120)
 
-COLUMNS = ["system", "samples_per_s", "min", "max", "vs_ddp"]
+COLUMNS = ["layout", "system", "samples_per_s", "min", "max", "vs_ddp"]
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -41,22 +43,21 @@ def measure(options: harness.Options) -> harness.Report:
         "epochs": budget.epochs,
         "target_accuracy": 0,
         "eval_every": harness.NEVER,
-        "threads": 1,
     }
     systems = {"ddp": {}, "crossbow": {"algorithm": "ssgd", "learners": 1}}
-    runs = harness.interleave(
-        {
-            system: harness.seeded(system, RANKS, {**flags, **extra}, budget.timeout_s)
-            for system, extra in systems.items()
-        },
-        options.reps,
-    )
-    reference = harness.median(harness.column(runs, "ddp", "samples_per_s"))
+    variants = {
+        (layout, system): harness.seeded(system, ranks, {**flags, **extra, "threads": threads}, budget.timeout_s)
+        for layout, (ranks, threads) in LAYOUTS.items()
+        for system, extra in systems.items()
+    }
+    runs = harness.interleave({f"{system} {layout}": run for (layout, system), run in variants.items()}, options.reps)
     rows = []
-    for system in systems:
-        rates = harness.column(runs, system, "samples_per_s")
+    for layout, system in variants:
+        rates = harness.column(runs, f"{system} {layout}", "samples_per_s")
+        reference = harness.median(harness.column(runs, f"ddp {layout}", "samples_per_s"))
         rows.append(
             {
+                "layout": layout,
                 "system": system,
                 "samples_per_s": harness.median(rates),
                 "min": min(rates),
@@ -66,11 +67,11 @@ def measure(options: harness.Options) -> harness.Report:
         )
     return harness.Report(
         question=f"Training samples/s of S-SGD, {budget.model} on {budget.dataset}, batch {BATCH} per rank, "
-        f"{RANKS} ranks × 1 thread (medians; vs_ddp = samples/s / DDP's)",
+        "2 ranks × 1 thread and 1 rank × 2 threads (medians; vs_ddp = samples/s / DDP's in the same layout)",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
-        settings={"ranks": RANKS, "budget": asdict(budget), "flags": flags},
+        settings={"layouts": LAYOUTS, "budget": asdict(budget), "flags": flags},
     )
 
 

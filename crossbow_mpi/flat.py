@@ -154,6 +154,16 @@ class FlatLayout:
         return [(modules[owner], name) for owner, _, name in (path.rpartition(".") for path in self.non_float_buffers)]
 
 
+def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the sum of a matrix's rows into `out`, adding them in order to +0.0: one vectorised pass per row, where
+    `torch.sum(rows, 0)` takes several times longer over a few long rows (and gives the same bits up to 4 rows)."""
+    first, *others = rows
+    torch.add(first, 0.0, out=out)
+    for row in others:
+        out.add_(row)
+    return out
+
+
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 

@@ -11,9 +11,9 @@ from conftest import REPO
 COLUMNS = {
     "tta": {"phase", "system", "algorithm", "k", "b", "lr", "reached", "tta_s", "epochs", "samples_per_s", "vs_ddp"},
     "stat_efficiency": {"algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s"},
-    "throughput": {"system", "samples_per_s", "vs_ddp"},
+    "throughput": {"layout", "system", "samples_per_s", "vs_ddp"},
     "sync_cost": {"ranks", "model", "floats", "sma_step_us", "allreduce_us", "ratio"},
-    "overhead": {"b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
+    "overhead": {"threads", "b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
     "hw_limit": {"config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.flat import sum_rows
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
 
@@ -118,7 +119,7 @@ class Algorithm:
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
         num_params, message = self.learners.layout.num_params, self.message
-        torch.sum(self.staged, 0, out=message)
+        sum_rows(self.staged, out=message)
         (scope or self.transport).allreduce_sum_(message)
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)

@@ -23,6 +23,7 @@ import torch
 
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.server import ModelServer
+from crossbow_mpi.flat import sum_rows
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
 
@@ -39,7 +40,7 @@ class Omnivore(RoundsAlgorithm):
 
     def sync(self, lr: float) -> None:
         hp = self.hp
-        torch.sum(self.staged, 0, out=self.message)
+        sum_rows(self.staged, out=self.message)
         self.next_position = self.transport.exchange(
             self.message, self.central.z, (lr, hp.momentum, hp.weight_decay), self.group_step
         )
