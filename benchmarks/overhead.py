@@ -2,12 +2,17 @@
 
 Both run in one MPI process with 1 and then 2 intra-op threads, interleaved run by run, on the same model, the
 same batches (crossbow's sampler order for the same seed) and the same update rule (momentum SGD with weight
-decay); samples/s counts the training steps only.
+decay); samples/s counts the training steps only. After the timed runs, one more run of each with timers around
+its parts says where a step's time goes (`breakdown`, µs per step): the batch fetch, forward and backward, the
+update (crossbow: the learners' local step and the sync), and the rest of the step and loop.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from benchmarks import harness
@@ -34,8 +39,9 @@ QUICK = Budget(batch_sizes=(16,), threads=(1, 2), samples=320, timeout_s=120)
 COLUMNS = ["threads", "b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"]
 
 
-def bare_loop(train_set, batch: int, samples: int, seed: int) -> float:
-    """Train with plain PyTorch on crossbow's batches for `seed`; return samples/s of the steps."""
+def bare_loop(train_set, batch: int, samples: int, seed: int, parts: Counter | None = None) -> float:
+    """Train with plain PyTorch on crossbow's batches for `seed`; return samples/s of the steps; add each part's
+    seconds to `parts` if given."""
     import torch
     import torch.nn.functional as F
 
@@ -50,15 +56,74 @@ def bare_loop(train_set, batch: int, samples: int, seed: int) -> float:
         model.parameters(), lr=LR, momentum=defaults.momentum, weight_decay=defaults.weight_decay
     )
     order = GlobalSampler(len(train_set), seed, rank=0, world_size=1)
-    elapsed = 0.0
+    elapsed, parts = 0.0, Counter() if parts is None else parts
     for offset in range(0, samples, batch):
         started = time.perf_counter()
         inputs, targets = fetch_batch(train_set, order.indices(0, offset, 1, batch)[0])
+        fetched = time.perf_counter()
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
+        computed = time.perf_counter()
         optimizer.step()
-        elapsed += time.perf_counter() - started
+        stepped = time.perf_counter()
+        parts.update(
+            {"batches": fetched - started, "forward_backward": computed - fetched, "update": stepped - computed}
+        )
+        elapsed += stepped - started
     return samples / elapsed
+
+
+@contextlib.contextmanager
+def timed_methods(methods: dict[str, list[tuple[type, str]]], parts: Counter):
+    """Add the seconds spent in each named group of class methods to `parts` while the block runs."""
+    originals = []
+    for part, targets in methods.items():
+        for owner, name in targets:
+            original = getattr(owner, name)
+            originals.append((owner, name, original))
+
+            def timed(*args, _original=original, _part=part, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    parts[_part] += time.perf_counter() - started
+
+            setattr(owner, name, timed)
+    try:
+        yield parts
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+def breakdown(parts: Counter, steps: int, samples_per_s: float, batch: int) -> dict:
+    """Return µs per step of each part, and of the rest of a step at this rate."""
+    per_step = {part: seconds / steps * 1e6 for part, seconds in parts.items()}
+    return {**per_step, "rest": batch / samples_per_s * 1e6 - sum(per_step.values())}
+
+
+def profiled(train_set, crossbow, steps: int, batch: int) -> dict[str, dict]:
+    """Run each loop once more with timers around its parts; return each one's samples/s and breakdown."""
+    from crossbow_mpi.data.prefetch import BatchPrefetcher
+    from crossbow_mpi.engines import LearnerEngine
+
+    parts = Counter()
+    with timed_methods(
+        {
+            "batches": [(BatchPrefetcher, "batches"), (BatchPrefetcher, "prefetch")],
+            "forward_backward": [(LearnerEngine, "compute_gradients")],
+            "update": [(LearnerEngine, "local_step"), (LearnerEngine, "sync")],
+        },
+        parts,
+    ):
+        mine = crossbow(0)
+    bare_parts = Counter()
+    bare = {"samples_per_s": bare_loop(train_set, batch, steps * batch, seed=1, parts=bare_parts)}
+    return {
+        "crossbow": {**mine, "breakdown": breakdown(parts, steps, mine["samples_per_s"], batch)},
+        "pytorch": {**bare, "breakdown": breakdown(bare_parts, steps, bare["samples_per_s"], batch)},
+    }
 
 
 def worker(settings: dict) -> dict:
@@ -101,6 +166,10 @@ def worker(settings: dict) -> dict:
                 {"threads": threads, "b": batch, **run}
                 for run in harness.interleave(variants, settings["reps"], quiet=True)
             ]
+            runs += [
+                {"threads": threads, "b": batch, "variant": system, "rep": "breakdown", **run}
+                for system, run in profiled(train_set, crossbow, samples // batch, batch).items()
+            ]
     return {"runs": runs}
 
 
@@ -111,10 +180,13 @@ def measure(options: harness.Options) -> harness.Report:
     for threads in budget.threads:
         for batch in budget.batch_sizes:
             mine = [run for run in runs if run["b"] == batch and run["threads"] == threads]
+            timed = [run for run in mine if run["rep"] != "breakdown"]
             rates = {
-                system: harness.median(harness.column(mine, system, "samples_per_s"))
+                system: harness.median(harness.column(timed, system, "samples_per_s"))
                 for system in ("crossbow", "pytorch")
             }
+            profiles = {run["variant"]: run["breakdown"] for run in mine if run["rep"] == "breakdown"}
+            harness.log(f"overhead: {threads} thread(s), b = {batch}: µs per step {json.dumps(profiles)}")
             rows.append(
                 {
                     "threads": threads,
@@ -122,6 +194,7 @@ def measure(options: harness.Options) -> harness.Report:
                     "crossbow_samples_per_s": rates["crossbow"],
                     "pytorch_samples_per_s": rates["pytorch"],
                     "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
+                    "us_per_step": profiles,
                 }
             )
     return harness.Report(
