@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
+from crossbow_mpi.kernels import require_compiler
 from crossbow_mpi.models import build_model
 
 EVAL_BATCH = 1000
@@ -47,7 +49,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--seed", type=int, default=1)
-    return parser.parse_args()
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=False,
+        type=lambda value: value.lower() in ("true", "1", "yes"),
+        metavar="true|false",
+        help="torch.compile the forward and backward pass, as crossbow_mpi.train --compile (summary: compile_s)",
+    )
+    args = parser.parse_args()
+    if args.compile:
+        try:
+            require_compiler("--compile")
+        except ConfigError as err:
+            parser.error(str(err))
+    return args
 
 
 def init_process_group() -> tuple[int, int]:
@@ -104,6 +121,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     net = build_model(args.model, train_set.input_shape, train_set.num_classes)
     model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
+    forward = torch.compile(model) if args.compile else model
+    compile_s = None
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     metrics = Path(args.run_dir) / "metrics.jsonl"
@@ -143,9 +162,11 @@ def main() -> None:
         step_started = time.perf_counter()
         inputs, targets = train_set.get_batch(indices)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(inputs), targets)
+        loss = F.cross_entropy(forward(inputs), targets)
         loss.backward()
         optimizer.step()
+        if args.compile and compile_s is None:
+            compile_s = time.perf_counter() - step_started  # the first step compiles
         samples += world * args.batch_size
         iterations += 1
         losses.append(loss.item())
@@ -182,6 +203,7 @@ def main() -> None:
             "algorithm": "ddp",
             "threads_per_rank": torch.get_num_threads(),
             "device": "cpu",
+            **({"compile_s": compile_s} if args.compile else {}),
         }
     )
     dist.destroy_process_group()

@@ -235,8 +235,9 @@ def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
 
 def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
-    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and,
-    for an asynchronous algorithm, each rank's (group's) updates over the run.
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s,
+    with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
+    algorithm, each rank's (group's) updates over the run.
 
     A job that crashes (not one that diverges) is run again, up to `attempts` times in all, so that one
     transient crash (gloo has aborted at exit) does not cost a whole benchmark; the result counts the crashes
@@ -265,6 +266,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "epochs_run": summary["epochs"],
         "final_accuracy": summary["final_test_accuracy"],
         "time_limited": summary.get("time_limited", False),
+        **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous)]} if asynchronous else {}),

@@ -1,8 +1,16 @@
-"""Sync cost: one SMA step against a raw mpi4py Allreduce of a float32 buffer of the model's size.
+"""Sync cost: one SMA step against a raw mpi4py Allreduce of a float32 buffer of the model's size, against the
+memory it must move, and against the optimizer a user would otherwise run.
 
 The SMA step (2 learners per rank) is everything crossbow_mpi does per iteration after the gradients: the
 learners' momentum update, the corrections, their local sum, the allreduce of [corrections | buffers] and the
-central update. Each time is the mean over a loop of calls on the slowest rank; rounds alternate the two.
+central update; `fused_step` is the same with `--fused-step`. Each time is the mean over a loop of calls on the
+slowest rank; rounds alternate the variants.
+
+- memory_ratio: the fused step on this rank alone (its allreduce over one rank) against a copy of the bytes the
+  step must move (read w, v, g, z and write w, v and the corrections; sum the corrections; update z and u), at
+  the copy bandwidth measured in the same rounds. Goal: at most 1.3.
+- peer_ratio: the fused step against `torch.optim.SGD(foreach=True)` stepping the same k replicas plus one
+  Allreduce of the model. Goal: at most 1.2.
 """
 
 from __future__ import annotations
@@ -28,9 +36,27 @@ class Budget:
 
 
 FULL = Budget(ranks=(2, 4), calls=50, timeout_s=300)
-QUICK = Budget(ranks=(2, 4), calls=3, timeout_s=120)
+QUICK = Budget(ranks=(2, 4), calls=3, timeout_s=300)
 
-COLUMNS = ["ranks", "model", "floats", "sma_step_us", "allreduce_us", "ratio"]
+COLUMNS = [
+    "ranks",
+    "model",
+    "floats",
+    "sma_step_us",
+    "fused_step_us",
+    "allreduce_us",
+    "ratio",
+    "memory_ratio",
+    "peer_ratio",
+]
+VARIANTS = ("sma_step", "fused_step", "allreduce", "fused_alone", "copy", "peer")
+
+
+def floats_moved(k: int, n: int) -> int:
+    """Floats an SMA step of k learners over n-float models must read or write: the learners' step reads w, v, g
+    and z and writes w, v and the corrections; the sync sums the corrections into one message and updates z and u
+    (dz += μ u, u = dz, z += dz)."""
+    return (6 * k + 1) * n + (k + 1) * n + 7 * n
 
 
 def worker(settings: dict) -> dict:
@@ -42,6 +68,7 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.algorithms import SynchronousModelAveraging
     from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.flat import FlatLayout
+    from crossbow_mpi.kernels import build_sma_update
     from crossbow_mpi.learners import CentralModel, Learners
     from crossbow_mpi.models import build_model
     from crossbow_mpi.state import HyperParams
@@ -56,13 +83,30 @@ def worker(settings: dict) -> dict:
         def model_fn(name=name, shape=shape):
             return build_model(name, shape, 10)
 
-        module = model_fn()
-        layout = FlatLayout(module)
-        central = CentralModel(module, layout)
-        learners = Learners(model_fn, layout, central, LEARNERS)
-        learners.grads.normal_(std=1e-3)
-        sma = SynchronousModelAveraging(HyperParams.from_config(Config(learners=LEARNERS)), comm, central, learners)
+        def sma_over(transport, fused: bool):
+            module = model_fn()
+            layout = FlatLayout(module)
+            central = CentralModel(module, layout)
+            learners = Learners(model_fn, layout, central, LEARNERS)
+            learners.grads.normal_(std=1e-3)
+            sma = SynchronousModelAveraging(HyperParams.from_config(Config()), transport, central, learners)
+            sma.fused_update = build_sma_update(torch.device("cpu")) if fused else None
+            return sma
+
+        sma, fused, alone = sma_over(comm, False), sma_over(comm, True), sma_over(MpiCommunicator(MPI.COMM_SELF), True)
+        layout = sma.learners.layout
         buffer = np.ones(layout.num_state, dtype=np.float32)
+        source = torch.ones(floats_moved(LEARNERS, layout.num_state) // 2)
+        target = torch.empty_like(source)
+        replicas = [model_fn() for _ in range(LEARNERS)]
+        params = [p for replica in replicas for p in replica.parameters()]
+        for param in params:
+            param.grad = torch.randn_like(param) * 1e-3
+        sgd = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+
+        def peer_step():
+            sgd.step()
+            comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)
 
         def timed(call):
             def loop(rep: int) -> dict:
@@ -78,15 +122,19 @@ def worker(settings: dict) -> dict:
 
         variants = {
             "sma_step": timed(lambda: sma.step(0.01)),
+            "fused_step": timed(lambda: fused.step(0.01)),
             "allreduce": timed(lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)),
+            "fused_alone": timed(lambda: alone.step(0.01)),
+            "copy": timed(lambda: target.copy_(source)),
+            "peer": timed(peer_step),
         }
         for loop in variants.values():
-            loop(-1)  # warm up
+            loop(-1)  # warm up (and compile the fused step)
         runs = harness.interleave(variants, settings["reps"], quiet=True)
         results[name] = {
             "floats": layout.num_state,
             "runs": runs,
-            **{f"{v}_us": statistics.median(harness.column(runs, v, "us")) for v in ("sma_step", "allreduce")},
+            **{f"{v}_us": statistics.median(harness.column(runs, v, "us")) for v in VARIANTS},
         }
     return results
 
@@ -106,15 +154,20 @@ def measure(options: harness.Options) -> harness.Report:
                     "model": model,
                     "floats": result["floats"],
                     "sma_step_us": result["sma_step_us"],
+                    "fused_step_us": result["fused_step_us"],
                     "allreduce_us": result["allreduce_us"],
                     "ratio": harness.ratio(result["sma_step_us"], result["allreduce_us"]),
+                    "memory_ratio": harness.ratio(result["fused_alone_us"], result["copy_us"]),
+                    "peer_ratio": harness.ratio(result["fused_step_us"], result["peer_us"]),
                 }
             )
             runs += [{"ranks": ranks, "model": model, **run} for run in result["runs"]]
     return harness.Report(
-        question=f"One SMA step ({LEARNERS} learners per rank) against a raw Allreduce of the model's float32 state, "
-        "µs per call on the slowest rank (medians of alternating loops; 1 thread per rank, "
-        "more ranks than cores oversubscribe them)",
+        question=f"One SMA step ({LEARNERS} learners per rank; fused: --fused-step) against a raw Allreduce of the "
+        "model's float32 state, µs per call on the slowest rank (medians of alternating loops; 1 thread per rank, "
+        "more ranks than cores oversubscribe them); memory_ratio: the fused step on one rank against a copy of the "
+        "bytes it must move (goal <= 1.3); peer_ratio: the fused step against SGD(foreach=True) on the same "
+        "replicas plus one Allreduce (goal <= 1.2)",
         columns=COLUMNS,
         rows=rows,
         runs=runs,

@@ -133,6 +133,12 @@ class Config:
     several nodes and MPI is the transport)."""
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
+    compile: bool = False
+    """torch.compile each learner's forward and backward pass (needs a C++ compiler); the first step compiles,
+    and its seconds are the summary's `compile_s`."""
+    fused_step: bool = False
+    """SMA: run the learners' update, correction and staging as one pass over memory (torch.compile's code on a
+    CPU with a C++ compiler, a CuPy kernel on CUDA); within rounding of the default step, not bit-identical."""
     threads: int | tuple[int, ...] = 0
     """Intra-op threads per rank, one value or one per rank; 0: the CPUs the rank is bound to, shared with the
     node's ranks bound to them."""
@@ -250,6 +256,10 @@ class Config:
             raise ConfigError("--pipeline-stages needs a fixed number of --learners (pipelines per rank), not auto")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.fused_step and self.algorithm != "sma":
+            raise ConfigError(f"--fused-step applies to --algorithm sma only, not {self.algorithm}")
+        if self.compile and self.pipeline_stages > 1:
+            raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:

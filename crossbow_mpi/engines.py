@@ -6,10 +6,14 @@ only see the filled matrices, so engines (sequential, threads, CUDA streams) can
 
 On a CPU every engine gives each learner the same number of intra-op threads, the rank's threads divided
 by k, so that results (which depend on how kernels split their reductions) do not depend on the engine.
+
+With `compile`, every learner runs one torch.compile'd forward pass and loss (its backward pass compiled with it);
+the first step compiles, on the calling thread, and `warmup_s` keeps its seconds.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
@@ -17,6 +21,7 @@ import torch
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.prefetch import Batch
+from crossbow_mpi.kernels import require_compiler
 from crossbow_mpi.learners import Learners
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,10 +45,14 @@ class LearnerEngine:
 
     name = "base"
 
-    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         self.loss_fn = loss_fn
         self.threads = threads
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.compiled = compile
+        self.model_loss = torch.compile(self._model_loss) if compile else self._model_loss
+        self.warmup_s: float | None = None
+        """With `compile`: seconds of the first step, which compiles the learners' passes."""
 
     def learner_threads(self, k: int) -> int:
         return max(1, self.threads // k)
@@ -51,13 +60,26 @@ class LearnerEngine:
     def compute_gradients(self, learners: Learners, batches: list[Batch]) -> torch.Tensor:
         """Fill learners.grads and return the k losses."""
         assert len(batches) == learners.k
+        started = time.perf_counter()
         try:
-            return torch.stack(self.run_learners(learners, batches))
+            losses = torch.stack(self.run_learners(learners, batches))
         finally:
             torch.set_num_threads(self.threads)
+        if self.warming_up:
+            self.warmup_s = time.perf_counter() - started
+        return losses
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the next step compiles the learners' passes."""
+        return self.compiled and self.warmup_s is None
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def run_in_turn(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
+        """Run the learners one after another on the calling thread."""
+        return [self.learner_step(learners, j, batch) for j, batch in enumerate(batches)]
 
     def local_step(self, algorithm: Algorithm, lr: float) -> None:
         """Apply every learner's own update once its gradient is computed."""
@@ -94,9 +116,12 @@ class LearnerEngine:
         """Accumulate the gradient of the module's loss on the batch into its gradients; return the loss."""
         inputs, targets = batch
         with self.autocast(inputs.device.type):
-            loss = self.loss_fn(module(inputs), targets)
+            loss = self.model_loss(module, inputs, targets)
         loss.backward()
         return loss.detach()
+
+    def _model_loss(self, module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(module(inputs), targets)
 
     def autocast(self, device_type: str) -> torch.autocast:
         return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
@@ -111,7 +136,7 @@ class SequentialEngine(LearnerEngine):
     name = "sequential"
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
-        return [self.learner_step(learners, j, batch) for j, batch in enumerate(batches)]
+        return self.run_in_turn(learners, batches)
 
 
 class ThreadEngine(LearnerEngine):
@@ -119,16 +144,17 @@ class ThreadEngine(LearnerEngine):
 
     name = "threads"
 
-    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
-        super().__init__(loss_fn, threads, precision)
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
+        super().__init__(loss_fn, threads, precision, compile)
         self.pool: ThreadPoolExecutor | None = None
         self.workers = 0
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
-        if learners.k == 1:
-            # nothing to overlap; measured on 2 cores (LeNet, b = 16, 2 threads), a lone learner in a worker thread
-            # trained at 0.64x the samples/s of the same learner on the calling thread
-            return [self.learner_step(learners, 0, batches[0])]
+        if learners.k == 1 or self.warming_up:
+            # k = 1: nothing to overlap; measured on 2 cores (LeNet, b = 16, 2 threads), a lone learner in a worker
+            # thread trained at 0.64x the samples/s of the same learner on the calling thread. Warming up: compile
+            # once, on the calling thread, before the learners run the compiled code side by side
+            return self.run_in_turn(learners, batches)
         if self.workers < learners.k:
             self.close()
             self.pool = ThreadPoolExecutor(max_workers=learners.k, thread_name_prefix="learner")
@@ -156,8 +182,8 @@ class StreamEngine(LearnerEngine):
 
     name = "streams"
 
-    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32"):
-        super().__init__(loss_fn, threads, precision)
+    def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
+        super().__init__(loss_fn, threads, precision, compile)
         self.streams: list[torch.cuda.Stream] = []
         self.sync_stream = torch.cuda.Stream()
         self.last_sync: torch.cuda.Event | None = None
@@ -218,16 +244,18 @@ class StreamEngine(LearnerEngine):
 ENGINES = {engine.name: engine for engine in (SequentialEngine, ThreadEngine, StreamEngine)}
 
 
-def check_engine(name: str, device: torch.device) -> None:
-    """Refuse an engine that cannot run on the device."""
+def check_engine(name: str, device: torch.device, compile: bool = False) -> None:
+    """Refuse an engine that cannot run on the device, and `compile` without a C++ compiler."""
     if name == "streams" and device.type != "cuda":
         raise ConfigError("--engine streams needs CUDA devices (--device cuda)")
+    if compile:
+        require_compiler("--compile")
 
 
 def build_engine(
-    name: str, loss_fn: LossFn, threads: int, device: torch.device, precision: str = "fp32"
+    name: str, loss_fn: LossFn, threads: int, device: torch.device, precision: str = "fp32", compile: bool = False
 ) -> LearnerEngine:
     """Return the named engine; `auto`: CUDA streams on a GPU, threads on a CPU rank with several threads."""
     if name == "auto":
         name = "streams" if device.type == "cuda" else "threads" if threads > 1 else "sequential"
-    return ENGINES[name](loss_fn, threads, precision)
+    return ENGINES[name](loss_fn, threads, precision, compile)

@@ -20,6 +20,7 @@ from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.engines import LearnerEngine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import Imbalance
+from crossbow_mpi.kernels import build_sma_update
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams, TrainState
 from crossbow_mpi.topology import Topology
@@ -73,6 +74,8 @@ class Run:
         algorithm = ALGORITHMS[config.algorithm]
         transport = build_transport(algorithm.transport_kind, topology.data, config, topology.group)
         self.algorithm = algorithm(self.hp, transport, self.central, self.learners)
+        if config.fused_step:
+            self.algorithm.fused_update = build_sma_update(device)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)

@@ -102,7 +102,7 @@ class Trainer:
             world, lambda: [per_rank(config, n, world.size)[world.rank] for n in ("device", "threads")]
         )
         self.device = agree(world, lambda: runtime.select_device(device, local_rank))
-        agree(world, lambda: check_engine(config.engine, self.device))
+        agree(world, lambda: check_engine(config.engine, self.device, config.compile))
         self.threads = runtime.set_threads(threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         if config.pipeline_stages > 1:
@@ -145,7 +145,7 @@ class Trainer:
             stage = self.topology.stage
             model_fn, engine = agree(world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads))
         else:
-            engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision)
+            engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
@@ -248,6 +248,7 @@ class Trainer:
             "algorithm": self.config.algorithm,
             "threads_per_rank": self.threads,
             "device": str(self.device),
+            **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
         }
 
 

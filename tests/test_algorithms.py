@@ -59,10 +59,12 @@ def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tm
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners", [1, 3])
-def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, learners):
+@pytest.mark.parametrize("learners, fused_step", [(1, False), (3, False), (3, True)])
+def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, learners, fused_step):
     train, test = datasets(comm.size, learners)
-    cfg = run_config(shared_tmp, algorithm="sma", learners=learners, lr_steps=(0.5,), lr_gamma=0.5)
+    cfg = run_config(
+        shared_tmp, algorithm="sma", learners=learners, lr_steps=(0.5,), lr_gamma=0.5, fused_step=fused_step
+    )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, [learners] * STEPS)
     assert result.central.dtype == torch.float64

@@ -17,7 +17,19 @@ LAYERS = {
     3: ["trainer", "components", "run", "checkpoint", "optimizer"],
     2: ["algorithms", "tuner", "schedule", "adaptive"],
     1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
-    0: ["data", "models", "stages", "flat", "runtime", "imbalance", "metrics", "config", "state", "projection"],
+    0: [
+        "data",
+        "models",
+        "stages",
+        "flat",
+        "runtime",
+        "imbalance",
+        "metrics",
+        "config",
+        "state",
+        "projection",
+        "kernels",
+    ],
 }
 """Each module (or package) of crossbow_mpi by layer; a new module must be placed here."""
 

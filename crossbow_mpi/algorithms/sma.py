@@ -6,7 +6,8 @@ Sync, every iteration:
     Δz = Σ_ranks Σ_j c_j;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz
 At a learning-rate drop every learner is reset to z.
 
-A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync.
+A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
+`--fused-step` the learners' update, correction and staging run as one fused kernel (crossbow_mpi.kernels).
 """
 
 from __future__ import annotations
@@ -14,18 +15,25 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.kernels import SmaUpdate
 
 
 class SynchronousModelAveraging(Algorithm):
     name = "sma"
     overlaps_sync = True
+    fused_update: SmaUpdate | None = None
+    """The fused learner step (`--fused-step`), or None for the in-place sequence (the default's bits)."""
 
     def local_step(self, rows: slice, lr: float) -> None:
-        hp, learners = self.hp, self.learners
+        hp, learners, z = self.hp, self.learners, self.central.params
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
+        corrections = self.staged_rows(rows)
+        if self.fused_update is not None:
+            self.fused_update(w, v, g, z, corrections, lr, hp.weight_decay, hp.momentum, hp.alpha)
+            return
         g.add_(w, alpha=hp.weight_decay)
         v.mul_(hp.momentum).sub_(g, alpha=lr)
-        corrections = torch.sub(w, self.central.params, out=self.staged_rows(rows)).mul_(hp.alpha)
+        torch.sub(w, z, out=corrections).mul_(hp.alpha)
         w.add_(v).sub_(corrections)
 
     def sync(self, lr: float) -> None:

@@ -263,3 +263,34 @@ def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adapti
     if adaptive:
         changes = [r for r in metrics_records(comm, shared_tmp / "run") if r.get("event") == "hyperparams"]
         assert all(len(c["measured"]["shares"]) == comm.size for c in changes)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_cupy_fused_sma_step_is_within_a_few_ulps_of_the_in_place_step(comm):
+    pytest.importorskip("cupy")
+    from crossbow_mpi.kernels import cupy_sma_update
+
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    torch.manual_seed(0)
+    k, n, lr, weight_decay, momentum, alpha = 3, 10_000, 0.05, 5e-4, 0.9, 0.1
+    weights = torch.randn(k, n + 7, device=device)  # rows of [params | buffers], as the learners hold them
+    v0, g0, z = (
+        torch.randn(k, n, device=device) * 0.01,
+        torch.randn(k, n, device=device),
+        torch.randn(n, device=device),
+    )
+    staged = torch.ones(k, n + 8, device=device)
+    w, v, g, c = weights[:, :n].clone(), v0.clone(), g0.clone(), staged[:, :n].clone()
+    g.add_(w, alpha=weight_decay)
+    v.mul_(momentum).sub_(g, alpha=lr)
+    torch.sub(w, z, out=c).mul_(alpha)
+    w.add_(v).sub_(c)
+    fv, buffers = v0.clone(), weights[:, n:].clone()
+    with torch.cuda.stream(torch.cuda.Stream(device)):  # the learner's stream, as the stream engine runs it
+        cupy_sma_update(weights[:, :n], fv, g0, z, staged[:, :n], lr, weight_decay, momentum, alpha)
+        torch.cuda.current_stream(device).synchronize()
+    scale = torch.stack([weights[:, :n].abs(), w.abs(), v.abs(), c.abs(), momentum * v0.abs()]).amax(0)
+    ulp = torch.finfo(torch.float32).eps * scale
+    assert ((fv - v).abs() <= 4 * ulp).all() and ((weights[:, :n] - w).abs() <= 4 * ulp).all()
+    assert ((staged[:, :n] - c).abs() <= ulp).all()
+    assert (staged[:, n:] == 1).all() and torch.equal(weights[:, n:], buffers), "buffers and weights untouched"
