@@ -20,7 +20,8 @@ With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `
    every other algorithm once, at its best of the last search (after a resume: at the current μ and η, omnivore
    at 2 groups).
 
-With one rank eager-SGD and Omnivore are S-SGD: only `sma` and `ssgd` are probed. A switch of algorithm restarts
+With one rank eager-SGD and Omnivore are S-SGD: only `sma` and `ssgd` are probed (Omnivore needs an even number
+of ranks, for two groups or more). A switch of algorithm restarts
 the momenta at zero and every learner from z (`Run.load_state_dict`).
 
 Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
@@ -121,7 +122,7 @@ class OmnivoreOptimizer:
         self._cold_start(snapshot, "ssgd")
         for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
             self.probe(snapshot, "sma", 1, COLD_MOMENTUM, lr)
-        if self.world.size > 1:
+        if "eager" in self.candidates():
             best = self.best(algorithm="ssgd")
             for momentum, lr in grid(best["momentum"], best["lr"], self.diverged()):
                 self.probe(snapshot, "eager", 1, momentum, lr)
@@ -147,9 +148,11 @@ class OmnivoreOptimizer:
                 last = self.bests.get(algorithm, fallback)
                 self.probe(snapshot, algorithm, last["groups"], last["momentum"], last["lr"])
 
-    def candidates(self) -> tuple[str, ...]:
-        """Return the algorithms `--algorithm auto` probes: with one rank, eager-SGD and Omnivore are S-SGD."""
-        return AUTO_ALGORITHMS if self.world.size > 1 else ("sma", "ssgd")
+    def candidates(self) -> list[str]:
+        """Return the algorithms `--algorithm auto` probes: eager-SGD needs two ranks (with one it is S-SGD), Omnivore
+        two groups or more (its one group is S-SGD)."""
+        fits = {"eager": self.world.size > 1, "omnivore": self.world.size % 2 == 0}
+        return [name for name in AUTO_ALGORITHMS if fits.get(name, True)]
 
     def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict:
         """Run `search` from a snapshot of the run, in rounds of one global step, then restore the snapshot with the
