@@ -207,15 +207,14 @@ def _draw_optimizer(ax, run: RunRecords, color) -> None:
     top = max(finite, default=1.0)
     for record in run.of("optimizer"):
         setting = f"{record['groups']}/{record['momentum']:g}/{record['lr']:g}"
-        if run.config.get("algorithm") == "auto":
-            setting = f"{record['algorithm']} {setting}"
+        algorithm = f"{record['algorithm']} " if run.config.get("algorithm") == "auto" else ""
         if record["decision"] == "probe":
             diverged = record["score"] is None
             ax.plot(probes, top if diverged else record["score"], color=color, marker="x" if diverged else ".")
-            ax.annotate(setting, (probes, top if diverged else record["score"]), fontsize=6, color=color)
+            ax.annotate(algorithm + setting, (probes, top if diverged else record["score"]), fontsize=6, color=color)
             probes += 1
         else:
-            _mark(ax, probes - 0.5, f"{record['decision']}: g/μ/η {setting}", color, "--")
+            _mark(ax, probes - 0.5, f"{record['decision']}: {algorithm}g/μ/η {setting}", color, "--")
 
 
 def _draw_eager(ax, run: RunRecords, color) -> None:
