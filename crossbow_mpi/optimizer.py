@@ -14,15 +14,15 @@ With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `
 
 1. the cold start above with `ssgd` as g = 1 (Omnivore's g = 1 is S-SGD bit for bit) and `omnivore` for g > 1;
 2. `sma` with μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr` (its learners' momentum and learning rate);
-3. `eager` on the pruned grid of step 2 above, around S-SGD's best (its stale rounds act like asynchrony);
+3. `eager` on the pruned grid of the first list's step 2, around S-SGD's best (stale rounds act like asynchrony);
 4. train with the (algorithm, g, μ, η) of the lowest score: about 4 + 4 + 5 probes, and 5 per g > 1;
-5. every `--optimizer-epoch`: the current algorithm's search of step 5 above (omnivore halving g down to 2), and
-   every other algorithm once, at its best of the last search (after a resume: at the current μ and η, omnivore
-   at 2 groups).
+5. every `--optimizer-epoch`: the current algorithm's search of the first list's step 5 (omnivore halving g down to
+   2), and every other algorithm once, at its best of the last search (after a resume: at the current μ and η,
+   omnivore at 2 groups).
 
 With one rank eager-SGD and Omnivore are S-SGD: only `sma` and `ssgd` are probed (Omnivore needs an even number
-of ranks, for two groups or more). A switch of algorithm restarts
-the momenta at zero and every learner from z (`Run.load_state_dict`).
+of ranks, for two groups or more). A switch of algorithm restarts the momenta at zero and every learner from z
+(`Run.load_state_dict`).
 
 Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
 one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
