@@ -1,10 +1,11 @@
-"""Omnivore against S-SGD and eager-SGD: (a) the momentum and learning rate its optimizer tunes for each number of
-compute groups g, and (b) the time to the same test accuracy, tuning time included, LeNet/MNIST on 4 ranks × 1
-thread, with no imbalance, random stragglers and one slow rank.
+"""Omnivore and `--algorithm auto` against S-SGD and eager-SGD: (a) the momentum and learning rate Omnivore's
+optimizer tunes for each number of compute groups g, and (b) the time to the same test accuracy, tuning time
+included, LeNet/MNIST on 4 ranks × 1 thread, with no imbalance, random stragglers and one slow rank.
 
 (a) comes from the optimizer's probes of the `omnivore --groups auto` runs without imbalance: for each g, the probe
 of the lowest score (median over the seeds). (b) gives medians, the speedup over S-SGD under the same imbalance
-(S-SGD's time to accuracy / the algorithm's) and, for Omnivore, the (g, momentum, lr) it chose (medians).
+(S-SGD's time to accuracy / the algorithm's) and, for Omnivore and auto, the (g, momentum, lr) its optimizer chose
+(medians) and, in `choice`, the algorithm chosen in each run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ALGORITHMS = {
     "ssgd": {"algorithm": "ssgd"},
     "eager majority": {"algorithm": "eager", "eager_mode": "majority"},
     "omnivore auto": {"algorithm": "omnivore", "groups": "auto"},
+    "auto": {"algorithm": "auto"},
 }
 
 
@@ -64,6 +66,7 @@ COLUMNS = [
     "groups",
     "momentum",
     "lr",
+    "choice",
 ]
 
 
@@ -81,19 +84,27 @@ def score(probe: dict) -> float:
     return probe["score"]
 
 
+def tuned(flags: dict) -> bool:
+    """Tell whether the optimizer tunes a variant (`--groups auto` or `--algorithm auto`)."""
+    return flags.get("groups") == "auto" or flags["algorithm"] == "auto"
+
+
 def chosen(runs: list[dict], variant: str) -> dict:
-    """Return the medians of the (g, momentum, lr) that a variant's optimizer chose."""
+    """Return the medians of the (g, momentum, lr) that a variant's optimizer chose, and the algorithm of each run."""
     choices = [
         r for run in runs if run["variant"] == variant for r in run.get("optimizer", []) if r["decision"] == "choice"
     ]
-    return {key: harness.median([c[key] for c in choices]) for key in ("groups", "momentum", "lr")}
+    return {
+        **{key: harness.median([c[key] for c in choices]) for key in ("groups", "momentum", "lr")},
+        "choice": ",".join(c["algorithm"] for c in choices),
+    }
 
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     common = eager.common_flags(budget)
     algorithms = {
-        name: {**common, **flags, **({"probe_seconds": budget.probe_seconds} if "groups" in flags else {})}
+        name: {**common, **flags, **({"probe_seconds": budget.probe_seconds} if tuned(flags) else {})}
         for name, flags in ALGORITHMS.items()
     }
     variants, runs = eager.imbalanced_runs("omnivore", budget, algorithms, options.reps)
@@ -114,7 +125,8 @@ def measure(options: harness.Options) -> harness.Report:
         for name, flags in ALGORITHMS.items():
             variant = f"{imbalance} / {name}"
             row = harness.train_row(runs, variant)
-            setting = chosen(runs, variant) if "groups" in flags else {"groups": 1, "momentum": 0.9, "lr": budget.lr}
+            fixed = {"groups": 1, "momentum": 0.9, "lr": budget.lr, "choice": flags["algorithm"]}
+            setting = chosen(runs, variant) if tuned(flags) else fixed
             rows.append(
                 {
                     "imbalance": imbalance,

@@ -4,7 +4,8 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /                    attrs: format_version, complete, config (JSON), layout_signature, world_size,
                          pipeline_stages (absent: 1)
     /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner and
-                         algorithm (JSON: the auto-tuner's and the algorithm's own state)
+                         algorithm (JSON: the auto-tuner's and the algorithm's own state), choice (JSON: the
+                         algorithm's name and compute groups, `Run.choice`; absent: the configured ones)
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
     /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
@@ -121,6 +122,7 @@ def _write(
         group.attrs["state"] = json.dumps(train)
         group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
+        group.attrs["choice"] = json.dumps(snapshot["choice"])
         sizes = []
         for stage, (z, u, extra) in enumerate(zip(*centrals)):
             group = f.create_group(central_group(stage, stages))
@@ -218,6 +220,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         "train": header["state"],
         "tuner": header["tuner"],
         "algorithm": header["algorithm"],
+        "choice": header["choice"],
         "hyperparams": header["hyperparams"][source],
         "controllers": header["controllers"][world.rank] if mine else [],
         "k": header["learners"][source],
@@ -265,6 +268,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
             "state": json.loads(f["train"].attrs["state"]),
             "tuner": json.loads(f["train"].attrs["tuner"]),
             "algorithm": json.loads(f["train"].attrs["algorithm"]),
+            "choice": json.loads(f["train"].attrs.get("choice", "null")),
             "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
             "controllers": [json.loads(f[f"ranks/{r}"].attrs.get("controllers", "[]")) for r in range(held)],
             "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],

@@ -18,7 +18,7 @@ from crossbow_mpi.config import Config
 from crossbow_mpi.data.prefetch import to_device
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.metrics import MetricsLog, Progress
-from crossbow_mpi.optimizer import OmnivoreOptimizer
+from crossbow_mpi.optimizer import OmnivoreOptimizer, optimizes
 from crossbow_mpi.run import Run, Step
 from crossbow_mpi.schedule import Schedule
 from crossbow_mpi.state import TrainState
@@ -218,24 +218,28 @@ class Tuning:
 
 
 class Retuning:
-    """With `--groups auto`: Omnivore's optimizer searches again around the current groups every `optimizer_epoch`
-    seconds of training (collective: rank 0's clock decides for every rank)."""
+    """With `--groups auto` or `--algorithm auto`: the optimizer chooses before training, unless the run resumed
+    from its choice, and searches again around the current setting every `optimizer_epoch` seconds of training
+    (collective: rank 0's clock decides for every rank)."""
 
-    def __init__(self, config: Config, world: Communicator, metrics: MetricsLog, progress: Progress):
-        self.config = config
+    def __init__(self, config: Config, world: Communicator, run: Run, metrics: MetricsLog, progress: Progress):
         self.world = world
-        self.metrics = metrics
-        self.progress = progress
-        self.every = config.optimizer_epoch if config.groups == "auto" else 0.0
+        self.optimizer = OmnivoreOptimizer(config, run, metrics, progress) if optimizes(config) else None
+        self.every = config.optimizer_epoch if self.optimizer else 0.0
         self.last: float | None = None
         """Training seconds at the last search (until the first: this session's start)."""
+
+    def choose(self, run: Run) -> None:
+        """Search from cold before training, unless the run's state was already tuned (resumed)."""
+        if self.optimizer is not None and not run.state.optimizer_s:
+            self.optimizer.choose()
 
     def after_step(self, run: Run, clock: Clock) -> None:
         if not self.every:
             return
         self.last = run.state.elapsed_s if self.last is None else self.last
         if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
-            OmnivoreOptimizer(self.config, run, self.metrics, self.progress).retune()
+            self.optimizer.retune()
             self.last = clock.elapsed(run.state)
 
 
@@ -312,6 +316,9 @@ class Checkpoints:
         """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
         snapshot, notes = checkpoint.load(self.world, self.config.run_dir, self.signature(run))
         fixed = self.config.learners if self.config.learners != "auto" else None
+        choice = snapshot["choice"]
+        if optimizes(self.config) and choice:  # the optimizer's choice, on as many groups as fit these ranks
+            run.switch_algorithm(choice["algorithm"], math.gcd(choice["groups"], run.topology.data.size))
         run.load_state_dict(snapshot, learners=fixed)
         self.tuning.load_state_dict(snapshot["tuner"])
         self.controllers.load_state_dict(snapshot["controllers"])
@@ -375,7 +382,7 @@ class Components:
             checkpoints=checkpoints,
             tuning=tuning,
             controllers=adjusting,
-            retuning=Retuning(config, world, metrics, progress),
+            retuning=Retuning(config, world, run, metrics, progress),
             divergence=DivergenceCheck(world),
             stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, runtime.stop_requested),
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),

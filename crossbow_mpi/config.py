@@ -38,7 +38,10 @@ class Config:
     algorithm: str = "sma"
     """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD), `eager` (eager-SGD),
     `omnivore` (compute groups, asynchronous across groups), `hogbatch` (every rank asynchronous, with its own
-    batch size) or `elastic` (local steps at each rank's pace, merged every round by update share)."""
+    batch size), `elastic` (local steps at each rank's pace, merged every round by update share) or `auto`: timed
+    probes pick among `sma`, `ssgd`, `eager` (majority) and `omnivore` with their momentum, learning rate and
+    groups before training, and again every `optimizer_epoch` (crossbow_mpi.optimizer). `auto` needs a fixed
+    number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
     dataset: str = "mnist"
@@ -96,10 +99,10 @@ class Config:
     synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous. `auto`:
     Omnivore's optimizer picks the groups, momentum and learning rate from timed probes before training."""
     probe_seconds: float = 30.0
-    """With `--groups auto`: seconds of training per optimizer probe."""
+    """With `--groups auto` or `--algorithm auto`: seconds of training per optimizer probe."""
     optimizer_epoch: float = 600.0
-    """With `--groups auto`: seconds of training between the optimizer's searches around the current groups,
-    momentum and learning rate (0: search only before training)."""
+    """With `--groups auto` or `--algorithm auto`: seconds of training between the optimizer's searches around the
+    current groups, momentum and learning rate, and among the algorithms (0: search only before training)."""
     round_samples: int = 0
     """`omnivore`, `hogbatch`, `elastic` (its merge interval): samples per round. Within a round every rank steps
     at its own pace on the batches handed out to it; the ranks meet between rounds, where stop signals,
@@ -178,7 +181,7 @@ class Config:
                 raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
 
         choices = {
-            "algorithm": tuple(algorithms),
+            "algorithm": (*algorithms, "auto"),
             "engine": ENGINES,
             "comm": COMMS,
             "hierarchy": HIERARCHIES,
@@ -201,8 +204,10 @@ class Config:
                 )
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
-        if self.algorithm == "eager" and self.learners == "auto":
-            raise ConfigError("--algorithm eager needs a fixed number of --learners, not auto")
+        if self.algorithm in ("eager", "auto") and self.learners == "auto":
+            raise ConfigError(f"--algorithm {self.algorithm} needs a fixed number of --learners, not auto")
+        if self.algorithm == "auto" and self.pipeline_stages > 1:
+            raise ConfigError("--algorithm auto and --pipeline-stages cannot be combined: choose an algorithm")
         self._validate_groups()
         positive = (
             "batch_size",

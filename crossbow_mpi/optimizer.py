@@ -9,9 +9,25 @@ probes before training, following the released artifact's cold start:
 5. every `--optimizer-epoch` seconds of training, search again: μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} at the current
    g, and at g/2 while the best μ is 0 (asynchrony already gives the momentum).
 
+With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `ssgd`, `eager` (majority) and
+`omnivore`:
+
+1. the cold start above with `ssgd` as g = 1 (Omnivore's g = 1 is S-SGD bit for bit) and `omnivore` for g > 1;
+2. `sma` with μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr` (its learners' momentum and learning rate);
+3. `eager` on the pruned grid of the first list's step 2, around S-SGD's best (stale rounds act like asynchrony);
+4. train with the (algorithm, g, μ, η) of the lowest score: about 4 + 4 + 5 probes, and 5 per g > 1;
+5. every `--optimizer-epoch`: the current algorithm's search of the first list's step 5 (omnivore halving g down to
+   2), and every other algorithm once, at its best of the last search (after a resume: at the current μ and η,
+   omnivore at 2 groups).
+
+With one rank eager-SGD and Omnivore are S-SGD: only `sma` and `ssgd` are probed (Omnivore needs an even number
+of ranks, for two groups or more). A switch of algorithm restarts the momenta at zero and every learner from z
+(`Run.load_state_dict`).
+
 Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
 one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
-probe and the choice is a metrics record `{"event": "optimizer"}`; the search's seconds count as training time.
+probe and the choice is a metrics record `{"event": "optimizer"}` with its algorithm; the search's seconds count as
+training time, and the state's `optimizer_s` adds them up.
 """
 
 from __future__ import annotations
@@ -30,6 +46,13 @@ MOMENTA = (0.0, 0.3, 0.6, 0.9)
 SCORE_STEPS = 10
 TIMING_STEPS = 3
 MIN_SPEEDUP = 0.1
+AUTO_ALGORITHMS = ("sma", "ssgd", "eager", "omnivore")
+"""What `--algorithm auto` chooses among."""
+
+
+def optimizes(config: Config) -> bool:
+    """Tell whether the optimizer searches in this run (`--groups auto` or `--algorithm auto`)."""
+    return config.groups == "auto" or config.algorithm == "auto"
 
 
 def group_counts(world_size: int) -> list[int]:
@@ -54,7 +77,8 @@ def grid(best_momentum: float, best_lr: float, diverged: list[tuple[float, float
 
 
 class OmnivoreOptimizer:
-    """Search (g, μ, η) with timed probes on the run (collective over the world)."""
+    """Search (g, μ, η), and with `--algorithm auto` the algorithm, with timed probes on the run (collective over
+    the world). One optimizer serves a whole session: it remembers each algorithm's best of its last search."""
 
     def __init__(self, config: Config, run: Run, metrics: MetricsLog, progress: Progress):
         self.config = config
@@ -62,44 +86,77 @@ class OmnivoreOptimizer:
         self.world = run.topology.world
         self.metrics = metrics
         self.progress = progress
+        self.auto = config.algorithm == "auto"
         self.probes: list[dict] = []
+        self.bests: dict[str, dict] = {}
+        """With `--algorithm auto`: each algorithm's best probe of the last search."""
 
     def choose(self) -> dict:
-        """Probe from cold, then leave the run at its snapshot with the best (g, μ, η); return the choice's record."""
-        return self._search("choice", self._cold_start, count_time=True)
+        """Probe from cold, then leave the run at its snapshot with the best (algorithm, g, μ, η); return the choice's
+        record."""
+        return self._search("choice", self._cold_start_algorithms if self.auto else self._cold_start, count_time=True)
 
     def retune(self) -> dict:
-        """Search μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} around the current g, halving g while the best μ there is 0;
-        leave the run at its snapshot with the best; return the record."""
-        return self._search("retune", self._around_current, count_time=False)
+        """Search μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} around the current g, halving g while the best μ there is 0
+        (with `--algorithm auto`, then every other algorithm at its last best); leave the run at its snapshot with
+        the best; return the record."""
+        return self._search("retune", self._recheck if self.auto else self._around_current, count_time=False)
 
-    def _cold_start(self, snapshot: dict) -> None:
+    def _cold_start(self, snapshot: dict, first: str = "omnivore") -> None:
+        """Probe the cold start's learning rates at g = 1 with algorithm `first`, then Omnivore's larger g."""
         for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
-            self.probe(snapshot, 1, COLD_MOMENTUM, lr)
+            self.probe(snapshot, first, 1, COLD_MOMENTUM, lr)
         previous = min(p["s_per_iteration"] for p in self.probes)
         for groups in group_counts(self.world.size)[1:]:
-            best = self.best(groups // 2)
-            diverged = [(p["momentum"], p["lr"]) for p in self.probes if math.isinf(p["score"])]
-            for momentum, lr in grid(best["momentum"], best["lr"], diverged):
-                self.probe(snapshot, groups, momentum, lr)
+            best = self.best(groups=groups // 2)
+            for momentum, lr in grid(best["momentum"], best["lr"], self.diverged()):
+                self.probe(snapshot, "omnivore", groups, momentum, lr)
             measured = [p["s_per_iteration"] for p in self.probes if p["groups"] == groups]
             if not measured or min(measured) > (1 - MIN_SPEEDUP) * previous:
                 break
             previous = min(measured)
 
+    def _cold_start_algorithms(self, snapshot: dict) -> None:
+        """S-SGD's learning rates and Omnivore's groups, then SMA's learning rates and eager-SGD's grid around
+        S-SGD's best (see the module docstring)."""
+        self._cold_start(snapshot, "ssgd")
+        for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
+            self.probe(snapshot, "sma", 1, COLD_MOMENTUM, lr)
+        if "eager" in self.candidates():
+            best = self.best(algorithm="ssgd")
+            for momentum, lr in grid(best["momentum"], best["lr"], self.diverged()):
+                self.probe(snapshot, "eager", 1, momentum, lr)
+
     def _around_current(self, snapshot: dict) -> None:
-        groups, lr = self.run.algorithm.transport.groups, self.run.hp.lr
+        algorithm, groups, lr = self.run.algorithm.name, self.run.choice["groups"], self.run.hp.lr
+        fewest = 2 if self.auto else 1  # with `--algorithm auto`, g = 1 is the `ssgd` probe
         while True:
             for momentum in MOMENTA:
                 for rate in (lr, lr / 10):
-                    self.probe(snapshot, groups, momentum, rate)
-            if self.best(groups)["momentum"] > 0 or groups == 1:
+                    self.probe(snapshot, algorithm, groups, momentum, rate)
+            if self.best(algorithm=algorithm, groups=groups)["momentum"] > 0 or groups <= fewest:
                 return
             groups //= 2
 
+    def _recheck(self, snapshot: dict) -> None:
+        """The current algorithm's search around its setting, then every other algorithm at its last best."""
+        current, hp = self.run.algorithm.name, self.run.hp
+        self._around_current(snapshot)
+        for algorithm in self.candidates():
+            if algorithm != current:
+                fallback = {"groups": 2 if algorithm == "omnivore" else 1, "momentum": hp.momentum, "lr": hp.lr}
+                last = self.bests.get(algorithm, fallback)
+                self.probe(snapshot, algorithm, last["groups"], last["momentum"], last["lr"])
+
+    def candidates(self) -> list[str]:
+        """Return the algorithms `--algorithm auto` probes: eager-SGD needs two ranks (with one it is S-SGD), Omnivore
+        two groups or more (its one group is S-SGD)."""
+        fits = {"eager": self.world.size > 1, "omnivore": self.world.size % 2 == 0}
+        return [name for name in AUTO_ALGORITHMS if fits.get(name, True)]
+
     def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict:
         """Run `search` from a snapshot of the run, in rounds of one global step, then restore the snapshot with the
-        best probe's (g, μ, η) and record the decision (collective)."""
+        best probe's (algorithm, g, μ, η) and record the decision (collective)."""
         run, started = self.run, time.perf_counter()
         run.settle()
         run.algorithm.drain()
@@ -108,9 +165,11 @@ class OmnivoreOptimizer:
         self.probes = []
         search(snapshot)
         choice = self.best()
-        self.start_from(snapshot, choice["groups"], choice["momentum"], choice["lr"])
+        self.bests.update({p["algorithm"]: self.best(algorithm=p["algorithm"]) for p in self.probes})
+        self.start_from(snapshot, choice["algorithm"], choice["groups"], choice["momentum"], choice["lr"])
         run.round_samples = round_samples
         seconds = self.world.bcast_json(time.perf_counter() - started)
+        run.state.optimizer_s += seconds
         if count_time:  # before the loop's clock starts; a re-tune inside the loop is on its clock already
             run.state.elapsed_s += seconds
         record = {
@@ -122,25 +181,31 @@ class OmnivoreOptimizer:
         }
         self.metrics.write(record)
         self.progress.note(
-            f"omnivore optimizer ({decision}): {choice['groups']} groups, momentum {choice['momentum']}, "
-            f"lr {choice['lr']:g} after {len(self.probes)} probes in {seconds:.1f}s"
+            f"optimizer ({decision}): {choice['algorithm']}, {choice['groups']} groups, momentum "
+            f"{choice['momentum']}, lr {choice['lr']:g} after {len(self.probes)} probes in {seconds:.1f}s"
         )
         return record
 
-    def best(self, groups: int | None = None) -> dict:
-        """Return the probe of the lowest score (among those with `groups`, if given)."""
-        return min((p for p in self.probes if groups in (None, p["groups"])), key=lambda p: p["score"])
+    def best(self, **where) -> dict:
+        """Return the probe of the lowest score (among those whose fields have the values in `where`)."""
+        chosen = (p for p in self.probes if all(p[key] == value for key, value in where.items()))
+        return min(chosen, key=lambda p: p["score"])
 
-    def start_from(self, snapshot: dict, groups: int, momentum: float, lr: float) -> None:
-        """Restore the snapshot with these groups and hyper-parameters (collective)."""
-        self.run.algorithm.transport.regroup(groups)
+    def diverged(self) -> list[tuple[float, float]]:
+        """Return the (μ, η) of the probes that diverged."""
+        return [(p["momentum"], p["lr"]) for p in self.probes if math.isinf(p["score"])]
+
+    def start_from(self, snapshot: dict, algorithm: str, groups: int, momentum: float, lr: float) -> None:
+        """Restore the snapshot with this algorithm, its groups and hyper-parameters (collective)."""
+        self.run.switch_algorithm(algorithm, groups)
         self.run.load_state_dict(snapshot)
         self.run.hp.update(momentum=momentum, lr=lr)
 
-    def probe(self, snapshot: dict, groups: int, momentum: float, lr: float) -> None:
-        """Train `--probe-seconds` from the snapshot with (g, μ, η); record its score and seconds per iteration."""
+    def probe(self, snapshot: dict, algorithm: str, groups: int, momentum: float, lr: float) -> None:
+        """Train `--probe-seconds` from the snapshot with (algorithm, g, μ, η); record its score and seconds per
+        iteration."""
         run = self.run
-        self.start_from(snapshot, groups, momentum, lr)
+        self.start_from(snapshot, algorithm, groups, momentum, lr)
         started = time.perf_counter()
         losses = [self.step(lr) for _ in range(TIMING_STEPS)]
         s_per_iteration = self.world_max((time.perf_counter() - started) / TIMING_STEPS)
@@ -152,6 +217,7 @@ class OmnivoreOptimizer:
         total, count = self.world.allreduce_sum_numbers([sum(losses[-SCORE_STEPS:]), SCORE_STEPS])
         score = total / count if math.isfinite(total) else math.inf
         record = {
+            "algorithm": algorithm,
             "groups": groups,
             "momentum": momentum,
             "lr": lr,

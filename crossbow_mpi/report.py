@@ -112,7 +112,8 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
     if any(run.of("optimizer") for run in runs):
         panels.append(
             (
-                "Omnivore's optimizer: probe scores (dots, labelled g/μ/η;\nx: diverged) and decisions (lines)",
+                "Omnivore's optimizer: probe scores (dots, labelled g/μ/η, with --algorithm auto\nthe algorithm first; "
+                "x: diverged) and decisions (lines)",
                 "probe, in search order",
                 "mean training loss over the probe's last steps",
                 _draw_optimizer,
@@ -206,13 +207,14 @@ def _draw_optimizer(ax, run: RunRecords, color) -> None:
     top = max(finite, default=1.0)
     for record in run.of("optimizer"):
         setting = f"{record['groups']}/{record['momentum']:g}/{record['lr']:g}"
+        algorithm = f"{record['algorithm']} " if run.config.get("algorithm") == "auto" else ""
         if record["decision"] == "probe":
             diverged = record["score"] is None
             ax.plot(probes, top if diverged else record["score"], color=color, marker="x" if diverged else ".")
-            ax.annotate(setting, (probes, top if diverged else record["score"]), fontsize=6, color=color)
+            ax.annotate(algorithm + setting, (probes, top if diverged else record["score"]), fontsize=6, color=color)
             probes += 1
         else:
-            _mark(ax, probes - 0.5, f"{record['decision']}: g/μ/η {setting}", color, "--")
+            _mark(ax, probes - 0.5, f"{record['decision']}: {algorithm}g/μ/η {setting}", color, "--")
 
 
 def _draw_eager(ax, run: RunRecords, color) -> None:

@@ -4,6 +4,7 @@ hyper-parameters; `train_step` is the data path, `state_dict` a snapshot of all 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi import runtime
-from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
 from crossbow_mpi.comm import build_transport
 from crossbow_mpi.config import Config
 from crossbow_mpi.data.prefetch import BatchPrefetcher
@@ -44,6 +45,8 @@ class Step:
 
 ROUND_STEPS = 32
 """Global steps' samples per round of an asynchronous algorithm, unless `round_samples` says."""
+AUTO_FIRST = "ssgd"
+"""The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
 
 class Run:
@@ -71,11 +74,10 @@ class Run:
         self.central.broadcast_extra_state(topology.data)
         self.learners = Learners(model_fn, self.layout, self.central, learners)
         self.hp = HyperParams.from_config(config)
-        algorithm = ALGORITHMS[config.algorithm]
-        transport = build_transport(algorithm.transport_kind, topology.data, config, topology.group)
-        self.algorithm = algorithm(self.hp, transport, self.central, self.learners)
-        if config.fused_step:
-            self.algorithm.fused_update = build_sma_update(device)
+        auto = config.algorithm == "auto"
+        self.config = dataclasses.replace(config, eager_mode="majority") if auto else config
+        """What the transports are built from (`--algorithm auto` probes eager-SGD in its majority mode)."""
+        self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
@@ -90,6 +92,32 @@ class Run:
         self.losses = torch.zeros((), dtype=torch.float64, device=device)
         """Training losses summed on the device since the last `settle`, so that no step waits to read one."""
         runtime.seed_everything(config.seed, topology.world.rank)
+
+    def _build_algorithm(self, name: str) -> Algorithm:
+        algorithm = ALGORITHMS[name]
+        transport = build_transport(algorithm.transport_kind, self.topology.data, self.config, self.topology.group)
+        built = algorithm(self.hp, transport, self.central, self.learners)
+        if self.config.fused_step:
+            built.fused_update = build_sma_update(self.central.z.device)
+        return built
+
+    @property
+    def choice(self) -> dict:
+        """The algorithm this run trains with, and its compute groups (1 but with Omnivore)."""
+        return {"algorithm": self.algorithm.name, "groups": getattr(self.algorithm.transport, "groups", 1)}
+
+    def switch_algorithm(self, name: str, groups: int = 1) -> None:
+        """Train with algorithm `name` (Omnivore with `groups` compute groups) from now on, on the same central model
+        and learners (collective; settle and drain first). The old algorithm's transport stops its threads and frees
+        the communicators it made; the new one's is built. Load a snapshot next: one of another algorithm starts
+        the momenta at zero (see `load_state_dict`)."""
+        assert groups == 1 or name == "omnivore", (name, groups)
+        if name != self.algorithm.name:
+            self.engine.synchronize()
+            self.algorithm.transport.close()
+            self.algorithm = self._build_algorithm(name)
+        if name == "omnivore":
+            self.algorithm.transport.regroup(groups)
 
     @property
     def epoch_progress(self) -> float:
@@ -177,6 +205,7 @@ class Run:
             "central": self.central.state_dict(),
             "learners": self.learners.state_dict(),
             "algorithm": self.algorithm.state_dict(),
+            "choice": self.choice,
             "rng": copy.deepcopy(runtime.rng_state()),
         }
 
@@ -184,7 +213,8 @@ class Run:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
 
         A snapshot without learners (a rank the checkpoint did not hold) starts every learner from z with zero
-        momentum and keeps the RNGs seeded from the seed and this rank."""
+        momentum and keeps the RNGs seeded from the seed and this rank. A snapshot of another algorithm (its
+        `choice`) gives z only: every learner starts from z, the momenta at zero, the algorithm's own state afresh."""
         self.engine.synchronize()
         self.state = TrainState.from_dict(snapshot["train"])
         hyperparams = dict(snapshot["hyperparams"])
@@ -193,9 +223,12 @@ class Run:
             del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
         self.hp.update(**hyperparams)
         self.central.load_state_dict(snapshot["central"])
-        self.algorithm.load_state_dict(snapshot["algorithm"])
-        rows = snapshot["learners"]
-        self.learners.resize(learners or snapshot.get("k") or len(rows["weights"]), self.central.z)
+        same = (snapshot.get("choice") or self.choice)["algorithm"] == self.algorithm.name
+        if not same:
+            self.central.u.zero_()
+        self.algorithm.load_state_dict(snapshot["algorithm"] if same else {})
+        rows = snapshot["learners"] if same else None
+        self.learners.resize(learners or snapshot.get("k") or len(snapshot["learners"]["weights"]), self.central.z)
         self.learners.load_state_dict(rows, self.central.z)
         if snapshot["rng"] is not None:
             runtime.load_rng_state(snapshot["rng"])

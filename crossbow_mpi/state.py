@@ -39,6 +39,8 @@ class TrainState(_Serialised):
     """Sample count at which the next evaluation is due (with `eval_every` > 0)."""
     elapsed_s: float = 0.0
     """Training seconds before the current session (a resumed run adds its own)."""
+    optimizer_s: float = 0.0
+    """Training seconds spent in the optimizer's searches (`--groups auto`, `--algorithm auto`)."""
     loss_sum: float = 0.0
     """This rank's training losses summed since the last evaluation (a checkpoint holds every rank's on rank 0)."""
     loss_count: int = 0

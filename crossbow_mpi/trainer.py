@@ -27,7 +27,7 @@ from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import parse_imbalance
 from crossbow_mpi.metrics import summary_writer_class
-from crossbow_mpi.optimizer import OmnivoreOptimizer
+from crossbow_mpi.optimizer import optimizes
 from crossbow_mpi.pipeline import build_pipeline, load_stages
 from crossbow_mpi.run import Run
 from crossbow_mpi.topology import Topology
@@ -174,8 +174,7 @@ class Trainer:
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         try:
-            if cfg.groups == "auto":
-                OmnivoreOptimizer(cfg, run, parts.metrics, parts.progress).choose()
+            parts.retuning.choose(run)
             result = self._loop(run, parts)
             if cfg.pipeline_stages > 1:
                 result = _whole_model(result, self.topology.stage, model_fn)
@@ -226,7 +225,13 @@ class Trainer:
         if state.last_eval != state.iteration or record is None:
             record = c.evaluation(run, lr, clock.elapsed(state))
         c.checkpoints.save(run, clock.elapsed(state))
-        c.metrics.write(self._summary(run, record, clock.elapsed(state)))
+        summary = self._summary(run, record, clock.elapsed(state))
+        c.metrics.write(summary)
+        if optimizes(cfg):
+            c.progress.note(
+                f"optimizer: {summary['optimizer_s']:.1f}s of {summary['time_s']:.1f}s "
+                f"({summary['optimizer_share']:.0%}); trained with {summary['algorithm']}"
+            )
         return _result(run, reached=state.time_to_accuracy_s is not None, accuracy=record["test_accuracy"])
 
     def _summary(self, run: Run, record: dict, elapsed_s: float) -> dict:
@@ -245,10 +250,15 @@ class Trainer:
             "learners": run.learners.k,
             "world_size": self.topology.world.size,
             "hierarchy": run.algorithm.transport.hierarchy,
-            "algorithm": self.config.algorithm,
+            "algorithm": run.algorithm.name,
             "threads_per_rank": self.threads,
             "device": str(self.device),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
+            **(
+                {"optimizer_s": state.optimizer_s, "optimizer_share": state.optimizer_s / max(elapsed_s, 1e-9)}
+                if optimizes(self.config)
+                else {}
+            ),
         }
 
 

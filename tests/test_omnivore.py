@@ -182,6 +182,10 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
         (1, ["--groups", "2", "--algorithm", "ssgd"], "--groups applies to --algorithm omnivore only"),
         (1, ["--groups", "auto", "--probe-seconds", "0"], "--probe-seconds must be positive, got 0.0"),
         (1, ["--groups", "auto", "--optimizer-epoch", "-1"], "--optimizer-epoch must not be negative, got -1.0"),
+        (1, ["--algorithm", "auto", "--learners", "auto"], "--algorithm auto needs a fixed number of --learners"),
+        (2, ["--algorithm", "auto", "--pipeline-stages", "2"], "--algorithm auto and --pipeline-stages cannot be"),
+        (1, ["--algorithm", "auto", "--groups", "auto"], "--groups applies to --algorithm omnivore only, not auto"),
+        (1, ["--algorithm", "auto", "--probe-seconds", "0"], "--probe-seconds must be positive, got 0.0"),
     ],
 )
 def test_bad_groups_exit_2_with_one_line(tmp_path, ranks, args, message):

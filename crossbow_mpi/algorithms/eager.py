@@ -48,4 +48,4 @@ class EagerSGD(SynchronousSGD):
         return {"lr": self.lr}
 
     def load_state_dict(self, state: dict) -> None:
-        self.lr = state["lr"]
+        self.lr = state.get("lr")

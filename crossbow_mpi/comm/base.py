@@ -53,6 +53,10 @@ class Communicator(ABC):
     def barrier(self) -> None:
         self.mpi_comm.Barrier()
 
+    def close(self) -> None:
+        """Stop the threads and free the communicators this transport made for itself; those it was given stay
+        (collective; after the algorithm's `drain`, when no message is in flight)."""
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Return every rank's bytes, in rank order, on every rank."""
         sizes = np.empty(self.size, dtype=np.int64)

@@ -118,6 +118,9 @@ class PartialAllreduce(Communicator):
             self.drained = drained
         return self.drained is not None
 
+    def close(self) -> None:
+        assert self.thread is None, "drain before close: the drain frees the progress thread's communicator"
+
     def statistics(self) -> dict:
         """Return and reset what the rounds returned since the last call: rounds fired, synchronous rounds (firsts
         and every sync_every-th), fresh contributions per round (drains aside) and the staleness histogram."""

@@ -47,6 +47,8 @@ class ModelServer(Communicator):
         self.data = data
         self.splits = {groups: group}
         """The compute groups of each number of groups used so far."""
+        self.given = group
+        """The compute groups this transport was given (not its own to free)."""
         self._use_group(groups)
         self.channel = data.mpi_comm.Dup()
         self.read_version = 0
@@ -190,6 +192,16 @@ class ModelServer(Communicator):
             self.thread.join()
             self.thread = None
             self._raise_error()
+
+    def close(self) -> None:
+        """Stop the server thread and free the server's channel and the compute groups made by `regroup`
+        (collective over `data`, after `meet`: every exchange was answered, so no message is in flight)."""
+        self.stop()
+        self.channel.Free()
+        for group in self.splits.values():
+            if group is not self.given:
+                group.mpi_comm.Free()
+        self.splits = {}
 
     def statistics(self) -> dict:
         """Return and reset, on every rank, what the server did since the last call (collective over `data`):

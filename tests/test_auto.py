@@ -1,0 +1,96 @@
+"""`--algorithm auto`: timed probes of sma, ssgd, eager and omnivore from one snapshot, training to the end with the
+choice, re-checks among the algorithms, a resume that keeps the choice and the optimizer's time share (bad input: in
+test_omnivore)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import h5py
+import pytest
+import torch
+from test_eager import metrics_records, mlp_bn
+from test_omnivore import lockstep
+
+from crossbow_mpi import Trainer
+from crossbow_mpi.checkpoint import list_checkpoints
+from crossbow_mpi.optimizer import AUTO_ALGORITHMS
+
+from test_algorithms import STEPS, datasets, run_config
+
+
+def auto_run(comm, shared_tmp, **overrides) -> tuple:
+    """Train with `--algorithm auto`; return the result and every metrics record."""
+    train, test = datasets(comm.size, 1)
+    values = dict(algorithm="auto", learners=1, probe_seconds=0.01, round_samples=lockstep(comm, 1))
+    cfg = run_config(shared_tmp, **{**values, **overrides})
+    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    return result, metrics_records(comm, shared_tmp / "run")
+
+
+def probed(comm) -> set[str]:
+    """Return the algorithms auto probes: with one rank eager-SGD is S-SGD; Omnivore needs two groups or more."""
+    fits = {"eager": comm.size > 1, "omnivore": comm.size % 2 == 0}
+    return {name for name in AUTO_ALGORITHMS if fits.get(name, True)}
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_probes_every_algorithm_then_trains_to_the_end_with_the_best(comm, shared_tmp):
+    threads = threading.active_count()
+    result, records = auto_run(comm, shared_tmp)
+    assert result.iterations == STEPS, "training starts from the snapshot the probes started from"
+    probes = [r for r in records if r.get("decision") == "probe"]
+    [choice] = [r for r in records if r.get("decision") == "choice"]
+    assert {p["algorithm"] for p in probes} == probed(comm) and choice["probes"] == len(probes)
+    assert all(p["groups"] > 1 for p in probes if p["algorithm"] == "omnivore")
+    best = min(probes, key=lambda p: float("inf") if p["score"] is None else p["score"])
+    keys = ("algorithm", "groups", "momentum", "lr", "score")
+    assert {k: choice[k] for k in keys} == {k: best[k] for k in keys}
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["algorithm"] == choice["algorithm"]
+    assert summary["optimizer_s"] == choice["search_s"] and 0 < summary["optimizer_share"] <= 1
+    assert threading.active_count() == threads, "the transports switched away from left no thread"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_rechecks_every_algorithm_every_optimizer_epoch(comm, shared_tmp):
+    _, records = auto_run(comm, shared_tmp, optimizer_epoch=1e-6, epochs=0.1)
+    records = [r for r in records if r.get("event") == "optimizer"]
+    decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
+    assert [records[i]["decision"] for i in decisions[:2]] == ["choice", "retune"]
+    for before, after in zip(decisions, decisions[1:]):
+        current, probes = records[before], records[before + 1 : after]
+        assert {p["algorithm"] for p in probes} == probed(comm)
+        own = [p for p in probes if p["algorithm"] == current["algorithm"]]
+        assert {(p["momentum"], p["lr"]) for p in own} >= {
+            (m, rate) for m in (0.0, 0.3, 0.6, 0.9) for rate in (current["lr"], current["lr"] / 10)
+        }
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_resumed_auto_run_keeps_its_choice(comm, shared_tmp):
+    first, records = auto_run(comm, shared_tmp, checkpoint_every=5, eval_every=0)
+    [choice] = [r for r in records if r.get("decision") == "choice"]
+    saved = None
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(shared_tmp / "run")[-1]) as f:
+            saved = {"choice": json.loads(f["train"].attrs["choice"]), "z": f["central/z"][...].tolist()}
+    saved = comm.bcast_json(saved)
+    assert saved["choice"] == {k: choice[k] for k in ("algorithm", "groups")}
+
+    train, test = datasets(comm.size, 1)
+    resumed = run_config(
+        shared_tmp,
+        algorithm="auto",
+        learners=1,
+        probe_seconds=0.01,
+        round_samples=lockstep(comm, 1),
+        epochs=2,
+        resume=True,
+    )
+    result = Trainer(resumed, comm).fit(mlp_bn, train, test)
+    records = metrics_records(comm, shared_tmp / "run")
+    assert [r["decision"] for r in records if r.get("event") == "optimizer"].count("choice") == 1, "no new search"
+    assert records[-1]["algorithm"] == choice["algorithm"] and records[-1]["optimizer_s"] == choice["search_s"]
+    assert result.iterations > first.iterations and torch.isfinite(result.central).all()
