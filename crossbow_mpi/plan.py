@@ -149,7 +149,7 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     from torch import nn
 
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.stages import split_model
+    from crossbow_mpi.stages import forward_backward_s, split_model
 
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -158,19 +158,10 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     micro = max(1, batch // micro_batches)
 
     def fwd_bwd_s(module: nn.Module, inputs: torch.Tensor, last: bool) -> tuple[float, torch.Tensor]:
-        def once() -> torch.Tensor:
-            x = inputs.detach().requires_grad_(inputs.is_floating_point())
-            y = module(x)
-            (loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()).backward()
-            return y.detach()
+        def loss(y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()
 
-        y = once()
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times), y
+        return forward_backward_s(module, inputs, reps, loss)
 
     whole_s, _ = fwd_bwd_s(model, torch.randn(batch, *INPUT_SHAPES[model_name]), last=True)
     stages = {}
