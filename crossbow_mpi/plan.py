@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--efficiency-epochs", type=float, default=4, help="--measure-efficiency's epoch limit per run (default: 4)"
     )
+    parser.add_argument(
+        "--workload",
+        type=Path,
+        help="project from the compute measured in an earlier run's plan.json (its model, batch and micro-batches) "
+        "instead of measuring",
+    )
     parser.add_argument("--max-devices", type=int, default=1024, help="largest N projected (default: 1024)")
     parser.add_argument("--validate", action="store_true", help="train at N = 2, 4 and M = 1, 2, 4; report errors")
     parser.add_argument("--quick", action="store_true", help="tiny measurements: check that it runs")
@@ -103,6 +109,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("give --bandwidth and --latency together")
     if args.efficiency is not None and not args.efficiency.is_file():
         raise ValueError(f"--efficiency {args.efficiency}: no such file")
+    if args.workload is not None and not args.workload.is_file():
+        raise ValueError(f"--workload {args.workload}: no such file")
     if args.efficiency is not None and args.measure_efficiency:
         raise ValueError("give --efficiency or --measure-efficiency, not both")
     if not 0 < args.target_accuracy <= 1 or not args.efficiency_epochs > 0:
@@ -113,7 +121,11 @@ def check(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
-    work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 20)
+    if args.workload is not None:
+        args.model, work = read_workload(args.workload)
+        args.batch_size, args.micro_batches = work.batch, work.micro_batches
+    else:
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 20)
     given = args.bandwidth is not None
     network = Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick)
     network = dataclasses.replace(network, allreduce=args.allreduce)
@@ -124,10 +136,7 @@ def plan(args: argparse.Namespace) -> None:
     print(table(cells))
     record = {
         "model": args.model,
-        "batch_size": args.batch_size,
-        "micro_batches": args.micro_batches,
-        "sample_s": work.sample_s,
-        "param_bytes": work.param_bytes,
+        "workload": {**dataclasses.asdict(work), "source": str(args.workload or "measured")},
         "network": {**vars(network), "source": "given" if given else f"allreduce sweep on {args.ranks} ranks"},
         "epoch_curve": {**vars(curve), "source": curve_source},
         "projection": [vars(cell) for cell in cells],
@@ -138,7 +147,7 @@ def plan(args: argparse.Namespace) -> None:
         record["validation"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(cells, args.out / "plan.png", f"{args.model}, batch {args.batch_size} per worker")
+    plot(cells, args.out / "plan.png", f"{args.model}, batch {work.batch} per worker")
     print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
 
 
@@ -182,6 +191,17 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     return Workload(
         batch, whole_s / batch, param_bytes, stages, micro_batches, update_s(param_bytes, reps) / param_bytes
     )
+
+
+def read_workload(path: Path) -> tuple[str, Workload]:
+    """Return the model and the workload measured in an earlier plan.json."""
+    try:
+        record = json.loads(path.read_text())
+        saved = {k: v for k, v in record["workload"].items() if k != "source"}
+        stages = {int(m): tuple(values) for m, values in saved.pop("stages").items()}
+        return record["model"], Workload(**saved, stages=stages)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"--workload {path}: not a plan.json with a measured workload ({err})") from err
 
 
 def update_s(nbytes: int, reps: int) -> float:

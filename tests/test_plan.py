@@ -130,6 +130,7 @@ def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         (["--efficiency", "/nonexistent.json"], "no such file"),
         (["--measure-efficiency", "--efficiency", "benchmarks/results/stat_efficiency.json"], "not both"),
         (["--target-accuracy", "2"], "--target-accuracy"),
+        (["--workload", "/nonexistent.json"], "no such file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -147,6 +148,23 @@ def test_quick_plan_projects_validates_and_plots(tmp_path):
     assert all(r["measured_step_ms"] > 0 and r["projected_step_ms"] > 0 for r in record["validation"])
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert "SU_MP(M) > SU_DP(N)/SU_DP(N/M)" in done.stdout
+
+    again = run_plan(
+        "--workload",
+        str(tmp_path / "plan.json"),
+        "--bandwidth",
+        "100",
+        "--latency",
+        "1",
+        "--out",
+        str(tmp_path / "again"),
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    projected = json.loads((tmp_path / "again" / "plan.json").read_text())
+    assert (
+        projected["projection"] == record["projection"]
+        and projected["workload"]["stages"] == record["workload"]["stages"]
+    )
 
 
 def test_measured_efficiency_is_a_results_file_that_the_plan_fits(tmp_path):
