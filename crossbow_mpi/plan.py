@@ -1,7 +1,8 @@
 """Planner: `python -m crossbow_mpi.plan`: project data parallelism against hybrid pipelines up to 1024 devices.
 
 Measures on this machine what the model in `projection` needs: the model's forward+backward per sample, whole
-and per stage, its activation sizes, and an α-β fit of the allreduce from a sweep of message sizes under mpirun
+and per stage (cut as `--cut`; or `--workload` takes them from an earlier plan.json), its activation sizes, and
+an α-β fit of the allreduce from a sweep of message sizes under mpirun
 (or takes a given network instead of the sweep: `--bandwidth --latency`). Reads E(B) from a stat-efficiency
 results file, or measures it with `--measure-efficiency` (short S-SGD runs to `--target-accuracy` at a few
 aggregate batches, written as such a results file). Prints SU_DP(N) and SU_hybrid(N, M) and writes a plot.
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from crossbow_mpi import projection
+from crossbow_mpi.config import CUTS
 from crossbow_mpi.projection import EpochCurve, Network, Workload
 
 INPUT_SHAPES = {"lenet": (1, 28, 28), "mlp": (1, 28, 28), "resnet32": (3, 32, 32)}
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="lenet", choices=sorted(INPUT_SHAPES))
     parser.add_argument("--batch-size", type=int, default=16, help="samples per worker per step (default: 16)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per pipeline step (default: 4)")
+    parser.add_argument(
+        "--cut", default="params", choices=CUTS, help="how the stages are balanced, as train's --cut (default: params)"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the allreduce sweep (default: 2)")
     parser.add_argument(
         "--bandwidth", type=float, help="a given network's bandwidth in Gb/s instead of the allreduce sweep"
@@ -122,10 +127,10 @@ def check(args: argparse.Namespace) -> None:
 
 def plan(args: argparse.Namespace) -> None:
     if args.workload is not None:
-        args.model, work = read_workload(args.workload)
+        args.model, args.cut, work = read_workload(args.workload)
         args.batch_size, args.micro_batches = work.batch, work.micro_batches
     else:
-        work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 20)
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 20, args.cut)
     given = args.bandwidth is not None
     network = Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick)
     network = dataclasses.replace(network, allreduce=args.allreduce)
@@ -136,7 +141,7 @@ def plan(args: argparse.Namespace) -> None:
     print(table(cells))
     record = {
         "model": args.model,
-        "workload": {**dataclasses.asdict(work), "source": str(args.workload or "measured")},
+        "workload": {**dataclasses.asdict(work), "cut": args.cut, "source": str(args.workload or "measured")},
         "network": {**vars(network), "source": "given" if given else f"allreduce sweep on {args.ranks} ranks"},
         "epoch_curve": {**vars(curve), "source": curve_source},
         "projection": [vars(cell) for cell in cells],
@@ -151,14 +156,14 @@ def plan(args: argparse.Namespace) -> None:
     print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
 
 
-def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int) -> Workload:
+def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int, cut: str = "params") -> Workload:
     """Time the model's forward+backward at `batch` on one thread, and each stage's at the micro-batch, for every
-    M in STAGES the model can be split into."""
+    M in STAGES the model can be split into, cut as `--cut` cuts it in training (`params` or `time`)."""
     import torch
     from torch import nn
 
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.stages import forward_backward_s, split_model
+    from crossbow_mpi.stages import forward_backward_s, split_model, time_cut
 
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -176,10 +181,11 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     stages = {}
     for m in STAGES[1:]:
         try:
-            groups = split_model(model, m)
+            x = torch.randn(micro, *INPUT_SHAPES[model_name])
+            groups = split_model(model, m, time_cut(model, m, x, reps) if cut == "time" else None)
         except ValueError:
             continue
-        x, stage_s, cut_bytes, stage_bytes = torch.randn(micro, *INPUT_SHAPES[model_name]), [], [], []
+        stage_s, cut_bytes, stage_bytes = [], [], []
         for index, group in enumerate(groups):
             seconds, x = fwd_bwd_s(nn.Sequential(*group), x, last=index == m - 1)
             stage_s.append(seconds / micro)
@@ -193,13 +199,13 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     )
 
 
-def read_workload(path: Path) -> tuple[str, Workload]:
-    """Return the model and the workload measured in an earlier plan.json."""
+def read_workload(path: Path) -> tuple[str, str, Workload]:
+    """Return the model, its cut into stages and the workload measured in an earlier plan.json."""
     try:
         record = json.loads(path.read_text())
-        saved = {k: v for k, v in record["workload"].items() if k != "source"}
+        saved = {k: v for k, v in record["workload"].items() if k not in ("cut", "source")}
         stages = {int(m): tuple(values) for m, values in saved.pop("stages").items()}
-        return record["model"], Workload(**saved, stages=stages)
+        return record["model"], record["workload"]["cut"], Workload(**saved, stages=stages)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"--workload {path}: not a plan.json with a measured workload ({err})") from err
 
@@ -341,7 +347,7 @@ def validate(args: argparse.Namespace) -> list[dict]:
     samples = 2000 if args.quick else 20000
     rows = []
     for n, m in VALIDATION[:2] if args.quick else VALIDATION:
-        work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 10)
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 10, args.cut)
         if m > 1 and m not in work.stages:
             continue
         network = dataclasses.replace(sweep_allreduce(n, quick=True), allreduce=args.allreduce)
@@ -352,6 +358,7 @@ def validate(args: argparse.Namespace) -> list[dict]:
             "learners": 1,
             "batch-size": args.batch_size,
             "pipeline-stages": m,
+            "cut": args.cut,
             "micro-batches": args.micro_batches if m > 1 else 1,
             "threads": 1,
             "epochs": samples / 60000,

@@ -139,7 +139,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 
 
 def test_quick_plan_projects_validates_and_plots(tmp_path):
-    done = run_plan("--quick", "--validate", "--bandwidth", "100", "--latency", "1", "--out", str(tmp_path))
+    network = ("--bandwidth", "100", "--latency", "1")
+    done = run_plan("--quick", "--validate", "--cut", "time", *network, "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     record = json.loads((tmp_path / "plan.json").read_text())
     cells = {(c["devices"], c["stages"]) for c in record["projection"]}
@@ -149,22 +150,11 @@ def test_quick_plan_projects_validates_and_plots(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert "SU_MP(M) > SU_DP(N)/SU_DP(N/M)" in done.stdout
 
-    again = run_plan(
-        "--workload",
-        str(tmp_path / "plan.json"),
-        "--bandwidth",
-        "100",
-        "--latency",
-        "1",
-        "--out",
-        str(tmp_path / "again"),
-    )
+    again = run_plan("--workload", str(tmp_path / "plan.json"), *network, "--out", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr[-2000:]
     projected = json.loads((tmp_path / "again" / "plan.json").read_text())
-    assert (
-        projected["projection"] == record["projection"]
-        and projected["workload"]["stages"] == record["workload"]["stages"]
-    )
+    assert projected["projection"] == record["projection"]
+    assert projected["workload"]["cut"] == "time" and projected["workload"]["stages"] == record["workload"]["stages"]
 
 
 def test_measured_efficiency_is_a_results_file_that_the_plan_fits(tmp_path):
