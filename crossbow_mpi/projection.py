@@ -6,8 +6,8 @@ Pure functions of measured or given quantities (Pal et al., IEEE Micro 2019):
   ring (reduce-scatter, then allgather) 2(P−1)·α + 2(P−1)/P·n·β; binomial tree (reduce to a root, then
   broadcast, unpipelined) 2·⌈log2 P⌉·(α + n·β). `auto` takes the faster of the two for each message and P, as MPI
   libraries and NCCL choose by size: the tree wins at latency-bound sizes and large P, the ring when bandwidth
-  dominates. (NCCL's pipelined double binary tree, ≈ 2·log2 P·α + 2·n·β, is not modelled: it would make the tree
-  win at every size here, which the α-β fit on two ranks cannot check.)
+  dominates. NCCL's pipelined double binary tree (≈ 2·log2 P·α + 2·n·β: the tree's latency at nearly the ring's
+  bandwidth) is not modelled; it would move the crossover to larger messages.
 - a pipeline of M stages with μ micro-batches runs μ + M − 1 slots, each as long as the slowest stage's compute
   of one micro-batch plus its activation and gradient messages, so (M−1)/(μ+M−1) of a step is bubble;
 - E(B), the epochs to the target at aggregate batch B, follows E_min·(1 + B/B_noise);
