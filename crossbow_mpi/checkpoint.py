@@ -2,7 +2,8 @@
 
 Layout (format version 2; every JSON value is a string attribute, so `h5dump` shows the whole file):
     /                    attrs: format_version, complete, config (JSON), layout_signature, world_size,
-                         pipeline_stages (absent: 1)
+                         pipeline_stages (absent: 1), pipeline_cut (JSON: the cut into the stages; absent: by
+                         parameter count, see `stages`)
     /train               attrs: state (JSON TrainState; its loss window summed over every rank), tuner and
                          algorithm (JSON: the auto-tuner's and the algorithm's own state), choice (JSON: the
                          algorithm's name and compute groups, `Run.choice`; absent: the configured ones)
@@ -64,10 +65,11 @@ def save(
     layout_signature: str,
     keep: int,
     stages: int = 1,
+    cut: list[int] | None = None,
 ) -> Path:
     """Write every rank's snapshot (`Run.state_dict` plus the tuner's) as one checkpoint (collective); keep the
     newest `keep` checkpoints. The ranks' training-loss windows are summed into rank 0's state. With `stages`,
-    rank s < stages gives stage s's central model."""
+    rank s < stages gives stage s's central model, the model cut into them at `cut`."""
     train = dict(snapshot["train"])
     train["loss_sum"], train["loss_count"] = world.allreduce_sum_numbers([train["loss_sum"], train["loss_count"]])
     train["loss_count"] = int(train["loss_count"])
@@ -87,7 +89,8 @@ def save(
     error = None
     if world.rank == 0:
         try:
-            _write(path, snapshot, train, gathered, [c[:stages] for c in centrals], config_json, layout_signature)
+            centrals = [c[:stages] for c in centrals]
+            _write(path, snapshot, train, gathered, centrals, config_json, layout_signature, cut)
             _prune(run_dir, keep)
         except OSError as err:
             error = f"cannot write checkpoint {path}: {err.strerror or err}"
@@ -109,6 +112,7 @@ def _write(
     centrals: list[list[bytes]],
     config_json: str,
     layout_signature: str,
+    cut: list[int] | None,
 ) -> None:
     dtype, stages = snapshot["central"]["z"].cpu().numpy().dtype, len(centrals[0])
     tmp = path.with_name(path.name + ".tmp")
@@ -118,6 +122,8 @@ def _write(
         f.attrs["layout_signature"] = layout_signature
         f.attrs["world_size"] = len(gathered[0])
         f.attrs["pipeline_stages"] = stages
+        if cut is not None:
+            f.attrs["pipeline_cut"] = json.dumps(cut)
         group = f.create_group("train")
         group.attrs["state"] = json.dumps(train)
         group.attrs["tuner"] = json.dumps(snapshot.get("tuner"))
@@ -192,6 +198,12 @@ def read_central(path: Path) -> tuple[list[tuple[torch.Tensor, bytes]], str]:
         stages = int(f.attrs.get("pipeline_stages", 1))
         groups = [f[central_group(stage, stages)] for stage in range(stages)]
         return [(torch.from_numpy(g["z"][...]), g["extra"][...].tobytes()) for g in groups], f.attrs["layout_signature"]
+
+
+def read_cut(path: Path) -> list[int] | None:
+    """Return where a valid checkpoint's model was cut into pipeline stages; None: by parameter count."""
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["pipeline_cut"]) if "pipeline_cut" in f.attrs else None
 
 
 def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict, list[str]]:

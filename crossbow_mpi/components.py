@@ -306,6 +306,7 @@ class Checkpoints:
             self.signature(run),
             self.config.keep_checkpoints,
             self.config.pipeline_stages,
+            run.engine.cut if self.config.pipeline_stages > 1 else None,
         )
 
     def signature(self, run: Run) -> str:

@@ -17,6 +17,7 @@ HIERARCHIES = ("auto", "flat", "node")
 PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
+CUTS = ("params", "time")
 SEED_LIMIT = 2**32
 
 
@@ -153,6 +154,9 @@ class Config:
     schedule: str = "gpipe"
     """With `pipeline_stages`: `gpipe` (every forward pass, then every backward pass) or `1f1b` (one forward, one
     backward: fewer activations held)."""
+    cut: str = "params"
+    """With `pipeline_stages`: balance the stages by trainable parameter count (`params`: the same cut every run)
+    or by forward+backward time measured on rank 0 at the start (`time`); a resume takes its checkpoint's cut."""
     seed: int = 1
     """Seed of every random generator (combined with the rank where ranks must differ), below 2**32."""
     run_dir: str = "runs/default"
@@ -190,6 +194,7 @@ class Config:
             "dataset": tuple(dataset_names()),
             "eager_mode": EAGER_MODES,
             "schedule": SCHEDULES,
+            "cut": CUTS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -46,7 +46,8 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
         raise ConfigError(f"{path}: {problem}")
     shards, signature = checkpoint.read_central(path)
     module = build_model(config.model, *dataset_shape(config.dataset))
-    stages = stage_modules(module, len(shards))
+    cut = checkpoint.read_cut(path)
+    stages = stage_modules(module, len(shards), cut)
     layouts = [FlatLayout(stage) for stage in stages]
     expected = "+".join(layout.signature for layout in layouts)
     sizes = [(layout.num_state, len(layout.extra_state_bytes(stage))) for stage, layout in zip(stages, layouts)]
@@ -55,7 +56,7 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
             f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "
             f"on {config.dataset} (layout {expected})"
         )
-    return load_stages(module, shards), config, path
+    return load_stages(module, shards, cut), config, path
 
 
 def _newest(run_dir: str) -> Path:

@@ -22,7 +22,7 @@ from crossbow_mpi.config import ConfigError
 from crossbow_mpi.engines import LossFn, SequentialEngine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import Learners
-from crossbow_mpi.stages import split_model
+from crossbow_mpi.stages import param_cut, split_model
 
 ACTIVATION, GRADIENT = 1, 2
 """Message tags: activations flow to the next stage, their gradients to the previous one."""
@@ -132,9 +132,20 @@ class PipelineEngine(SequentialEngine):
 
     name = "pipeline"
 
-    def __init__(self, loss_fn: LossFn, threads: int, link: StageLink, micro_batches: int, schedule: str, precision):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        threads: int,
+        link: StageLink,
+        cut: list[int],
+        micro_batches: int,
+        schedule: str,
+        precision,
+    ):
         super().__init__(loss_fn, threads, precision)
         self.link = link
+        self.cut = cut
+        """Where the model was cut into the stages (see `stages`); checkpoints keep it for resume and export."""
         self.micro_batches = micro_batches
         self.ops = schedule_ops(schedule, link.index, link.stages, micro_batches)
 
@@ -180,33 +191,40 @@ class PipelineEngine(SequentialEngine):
 
 
 def build_pipeline(
-    model_fn: Callable[[], object], stage: Communicator, config, loss_fn: LossFn, threads: int
+    model_fn: Callable[[], object],
+    stage: Communicator,
+    config,
+    loss_fn: LossFn,
+    threads: int,
+    cut: list[int] | None = None,
 ) -> tuple[Callable[[], PipelineStage], PipelineEngine]:
-    """Return this rank's stage builder and the pipeline engine (collective over the stage scope); ValueError when
-    the model cannot be split into the stages."""
+    """Return this rank's stage builder and the pipeline engine (collective over the stage scope), the model cut
+    at `cut` (default: balanced by parameter count); ValueError when the model cannot be split so."""
     if config.engine not in ("auto", "sequential"):
         raise ConfigError("--pipeline-stages runs the learners' pipelines one after another: use --engine auto")
-    link = StageLink(stage)
+    link, model = StageLink(stage), model_fn()
+    cut = param_cut(model, link.stages) if cut is None else cut
+    split_model(model, link.stages, cut)
 
     def stage_fn() -> PipelineStage:
-        return PipelineStage(split_model(model_fn(), link.stages)[link.index], link)
+        return PipelineStage(split_model(model_fn(), link.stages, cut)[link.index], link)
 
-    split_model(model_fn(), link.stages)
-    engine = PipelineEngine(loss_fn, threads, link, config.micro_batches, config.schedule, config.precision)
+    engine = PipelineEngine(loss_fn, threads, link, cut, config.micro_batches, config.schedule, config.precision)
     return stage_fn, engine
 
 
-def stage_modules(model: nn.Module, stages: int) -> list[nn.Module]:
-    """Return the model's stages as a pipeline's ranks hold them, sharing the model's modules ([model] for one stage),
-    so that loading a stage's state loads that part of the model."""
+def stage_modules(model: nn.Module, stages: int, cut: list[int] | None = None) -> list[nn.Module]:
+    """Return the model's stages as a pipeline's ranks hold them (cut at `cut`, default by parameter count),
+    sharing the model's modules ([model] for one stage), so that loading a stage's state loads that part of the
+    model."""
     if stages == 1:
         return [model]
-    return [PipelineStage(modules, link=None) for modules in split_model(model, stages)]
+    return [PipelineStage(modules, link=None) for modules in split_model(model, stages, cut)]
 
 
-def load_stages(model: nn.Module, shards: list[tuple[torch.Tensor, bytes]]) -> nn.Module:
-    """Load each stage's state vector and extra state into the model; return the model."""
-    for stage, (z, extra) in zip(stage_modules(model, len(shards)), shards):
+def load_stages(model: nn.Module, shards: list[tuple[torch.Tensor, bytes]], cut: list[int] | None = None) -> nn.Module:
+    """Load each stage's state vector and extra state into the model cut at `cut`; return the model."""
+    for stage, (z, extra) in zip(stage_modules(model, len(shards), cut), shards):
         FlatLayout(stage).load(stage, z, extra)
     return model
 

@@ -1,8 +1,11 @@
 """Planner: `python -m crossbow_mpi.plan`: project data parallelism against hybrid pipelines up to 1024 devices.
 
-Measures on this machine what the model in `projection` needs (the model's forward+backward per sample, whole
-and per stage, its activation sizes, and an α-β fit of the allreduce from a sweep of message sizes under
-mpirun), reads E(B) from a stat-efficiency results file, prints SU_DP(N) and SU_hybrid(N, M) and writes a plot.
+Measures on this machine what the model in `projection` needs: the model's forward+backward per sample, whole
+and per stage (cut as `--cut`; or `--workload` takes them from an earlier plan.json), its activation sizes, and
+an α-β fit of the allreduce from a sweep of message sizes under mpirun
+(or takes a given network instead of the sweep: `--bandwidth --latency`). Reads E(B) from a stat-efficiency
+results file, or measures it with `--measure-efficiency` (short S-SGD runs to `--target-accuracy` at a few
+aggregate batches, written as such a results file). Prints SU_DP(N) and SU_hybrid(N, M) and writes a plot.
 `--validate` trains at the sizes that run here and compares the measured time per step with the projection.
 """
 
@@ -21,13 +24,18 @@ import time
 from pathlib import Path
 
 from crossbow_mpi import projection
+from crossbow_mpi.config import CUTS
 from crossbow_mpi.projection import EpochCurve, Network, Workload
 
 INPUT_SHAPES = {"lenet": (1, 28, 28), "mlp": (1, 28, 28), "resnet32": (3, 32, 32)}
+DATASETS = {"lenet": "mnist", "mlp": "mnist", "resnet32": "synthetic-cifar"}
+"""`--measure-efficiency`'s default dataset per model."""
 STAGES = (1, 2, 4, 8)
 VALIDATION = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
 """(N ranks, M stages) that run on a small machine."""
 EFFICIENCY_FILE = Path("benchmarks/results/stat_efficiency.json")
+LR_AT_64 = 0.01
+"""`--measure-efficiency`'s S-SGD learning rate at aggregate batch 64."""
 WORKER = "--allreduce-worker"
 """argv[1] of the ranks of the allreduce sweep."""
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -38,11 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="lenet", choices=sorted(INPUT_SHAPES))
     parser.add_argument("--batch-size", type=int, default=16, help="samples per worker per step (default: 16)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per pipeline step (default: 4)")
+    parser.add_argument(
+        "--cut", default="params", choices=CUTS, help="how the stages are balanced, as train's --cut (default: params)"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the allreduce sweep (default: 2)")
-    parser.add_argument("--bandwidth", type=float, help="a given network's bandwidth in Gb/s instead of the sweep")
+    parser.add_argument(
+        "--bandwidth", type=float, help="a given network's bandwidth in Gb/s instead of the allreduce sweep"
+    )
     parser.add_argument("--latency", type=float, help="a given network's latency in µs (with --bandwidth)")
     parser.add_argument(
+        "--allreduce",
+        default="auto",
+        choices=projection.ALLREDUCES,
+        help="allreduce model: ring, binomial tree, or auto: the faster per message size and N (default: auto)",
+    )
+    parser.add_argument(
         "--efficiency", type=Path, help=f"stat-efficiency results for E(B) (default: {EFFICIENCY_FILE} if present)"
+    )
+    parser.add_argument(
+        "--measure-efficiency",
+        action="store_true",
+        help="measure E(B): S-SGD on one rank at aggregate batches B, 4B, 16B (B = --batch-size) to the target",
+    )
+    parser.add_argument("--dataset", help="--measure-efficiency's dataset (default: mnist; resnet32: synthetic-cifar)")
+    parser.add_argument(
+        "--target-accuracy", type=float, default=0.97, help="--measure-efficiency's target (default: 0.97)"
+    )
+    parser.add_argument(
+        "--efficiency-epochs", type=float, default=4, help="--measure-efficiency's epoch limit per run (default: 4)"
+    )
+    parser.add_argument(
+        "--workload",
+        type=Path,
+        help="project from the compute measured in an earlier run's plan.json (its model, batch and micro-batches) "
+        "instead of measuring",
     )
     parser.add_argument("--max-devices", type=int, default=1024, help="largest N projected (default: 1024)")
     parser.add_argument("--validate", action="store_true", help="train at N = 2, 4 and M = 1, 2, 4; report errors")
@@ -77,25 +114,35 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("give --bandwidth and --latency together")
     if args.efficiency is not None and not args.efficiency.is_file():
         raise ValueError(f"--efficiency {args.efficiency}: no such file")
+    if args.workload is not None and not args.workload.is_file():
+        raise ValueError(f"--workload {args.workload}: no such file")
+    if args.efficiency is not None and args.measure_efficiency:
+        raise ValueError("give --efficiency or --measure-efficiency, not both")
+    if not 0 < args.target_accuracy <= 1 or not args.efficiency_epochs > 0:
+        raise ValueError(
+            f"need 0 < --target-accuracy <= 1 and --efficiency-epochs > 0, got {args.target_accuracy} and "
+            f"{args.efficiency_epochs}"
+        )
 
 
 def plan(args: argparse.Namespace) -> None:
-    work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 20)
-    measured = sweep_allreduce(args.ranks, args.quick)
-    network = Network.from_link(args.bandwidth, args.latency) if args.bandwidth is not None else measured
-    curve, curve_source = epoch_curve(args.efficiency)
+    if args.workload is not None:
+        args.model, args.cut, work = read_workload(args.workload)
+        args.batch_size, args.micro_batches = work.batch, work.micro_batches
+    else:
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 20, args.cut)
+    given = args.bandwidth is not None
+    network = Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick)
+    network = dataclasses.replace(network, allreduce=args.allreduce)
+    curve, curve_source = epoch_curve(measure_efficiency(args) if args.measure_efficiency else args.efficiency)
     devices = [2**i for i in range(args.max_devices.bit_length()) if 2**i <= args.max_devices]
     cells = projection.project(work, network, curve, devices, list(STAGES))
-    print(describe(args, work, measured, network, curve, curve_source))
+    print(describe(args, work, network, curve, curve_source))
     print(table(cells))
     record = {
         "model": args.model,
-        "batch_size": args.batch_size,
-        "micro_batches": args.micro_batches,
-        "sample_s": work.sample_s,
-        "param_bytes": work.param_bytes,
-        "measured_network": vars(measured),
-        "network": vars(network),
+        "workload": {**dataclasses.asdict(work), "cut": args.cut, "source": str(args.workload or "measured")},
+        "network": {**vars(network), "source": "given" if given else f"allreduce sweep on {args.ranks} ranks"},
         "epoch_curve": {**vars(curve), "source": curve_source},
         "projection": [vars(cell) for cell in cells],
     }
@@ -105,18 +152,18 @@ def plan(args: argparse.Namespace) -> None:
         record["validation"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(cells, args.out / "plan.png", f"{args.model}, batch {args.batch_size} per worker")
+    plot(cells, args.out / "plan.png", f"{args.model}, batch {work.batch} per worker")
     print(f"wrote {args.out / 'plan.json'} and {args.out / 'plan.png'}")
 
 
-def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int) -> Workload:
+def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int, cut: str = "params") -> Workload:
     """Time the model's forward+backward at `batch` on one thread, and each stage's at the micro-batch, for every
-    M in STAGES the model can be split into."""
+    M in STAGES the model can be split into, cut as `--cut` cuts it in training (`params` or `time`)."""
     import torch
     from torch import nn
 
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.stages import split_model
+    from crossbow_mpi.stages import forward_backward_s, split_model, time_cut
 
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -125,28 +172,20 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     micro = max(1, batch // micro_batches)
 
     def fwd_bwd_s(module: nn.Module, inputs: torch.Tensor, last: bool) -> tuple[float, torch.Tensor]:
-        def once() -> torch.Tensor:
-            x = inputs.detach().requires_grad_(inputs.is_floating_point())
-            y = module(x)
-            (loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()).backward()
-            return y.detach()
+        def loss(y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()
 
-        y = once()
-        times = []
-        for _ in range(reps):
-            started = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times), y
+        return forward_backward_s(module, inputs, reps, loss)
 
     whole_s, _ = fwd_bwd_s(model, torch.randn(batch, *INPUT_SHAPES[model_name]), last=True)
     stages = {}
     for m in STAGES[1:]:
         try:
-            groups = split_model(model, m)
+            x = torch.randn(micro, *INPUT_SHAPES[model_name])
+            groups = split_model(model, m, time_cut(model, m, x, reps) if cut == "time" else None)
         except ValueError:
             continue
-        x, stage_s, cut_bytes, stage_bytes = torch.randn(micro, *INPUT_SHAPES[model_name]), [], [], []
+        stage_s, cut_bytes, stage_bytes = [], [], []
         for index, group in enumerate(groups):
             seconds, x = fwd_bwd_s(nn.Sequential(*group), x, last=index == m - 1)
             stage_s.append(seconds / micro)
@@ -158,6 +197,17 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int)
     return Workload(
         batch, whole_s / batch, param_bytes, stages, micro_batches, update_s(param_bytes, reps) / param_bytes
     )
+
+
+def read_workload(path: Path) -> tuple[str, str, Workload]:
+    """Return the model, its cut into stages and the workload measured in an earlier plan.json."""
+    try:
+        record = json.loads(path.read_text())
+        saved = {k: v for k, v in record["workload"].items() if k not in ("cut", "source")}
+        stages = {int(m): tuple(values) for m, values in saved.pop("stages").items()}
+        return record["model"], record["workload"]["cut"], Workload(**saved, stages=stages)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"--workload {path}: not a plan.json with a measured workload ({err})") from err
 
 
 def update_s(nbytes: int, reps: int) -> float:
@@ -247,14 +297,14 @@ def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
     return projection.fit_epochs([b for b, _ in points], [e for _, e in points]), str(path)
 
 
-def describe(args, work: Workload, measured: Network, network: Network, curve: EpochCurve, source: str) -> str:
-    given = f"given: {args.bandwidth:g} Gb/s, {args.latency:g} µs" if args.bandwidth is not None else "the fit"
+def describe(args, work: Workload, network: Network, curve: EpochCurve, source: str) -> str:
+    origin = "given" if args.bandwidth is not None else f"fit to an allreduce sweep on {args.ranks} ranks"
     return (
         f"{args.model}: {work.sample_s * 1e3:.3f} ms forward+backward per sample (1 thread), "
         f"{work.param_bytes / 1e6:.2f} MB of parameters; batch {work.batch} per worker, "
         f"{work.micro_batches} micro-batches\n"
-        f"allreduce fit on {args.ranks} ranks: α = {measured.latency_s * 1e6:.1f} µs, "
-        f"{gbit_per_s(measured):.3g} Gb/s; projected with {given}\n"
+        f"network ({origin}): α = {network.latency_s * 1e6:.3g} µs, {gbit_per_s(network):.3g} Gb/s, "
+        f"{network.allreduce} allreduce\n"
         f"E(B) = {curve.min_epochs:.3g}·(1 + B/{curve.noise_batch:.0f}) from {source}\n"
         "hybrid beats DP where SU_hybrid(N, M) > SU_DP(N) (vs DP > 1); Pal et al.'s criterion (column Pal): "
         "SU_MP(M) > SU_DP(N)/SU_DP(N/M), which charges hybrid the allreduce of the whole model at N/M ranks, "
@@ -297,27 +347,25 @@ def validate(args: argparse.Namespace) -> list[dict]:
     samples = 2000 if args.quick else 20000
     rows = []
     for n, m in VALIDATION[:2] if args.quick else VALIDATION:
-        work = measure_workload(args.model, args.batch_size, args.micro_batches, reps=3 if args.quick else 10)
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 10, args.cut)
         if m > 1 and m not in work.stages:
             continue
-        network = sweep_allreduce(n, quick=True)
+        network = dataclasses.replace(sweep_allreduce(n, quick=True), allreduce=args.allreduce)
         aggregate = n // m * args.batch_size
-        with tempfile.TemporaryDirectory(prefix="plan-run-") as run_dir:
-            flags = {
-                "algorithm": "ssgd",
-                "model": args.model,
-                "learners": 1,
-                "batch-size": args.batch_size,
-                "pipeline-stages": m,
-                "micro-batches": args.micro_batches if m > 1 else 1,
-                "threads": 1,
-                "epochs": samples / 60000,
-                "eval-every": samples // 2,
-                "target-accuracy": 0,
-                "run-dir": run_dir,
-            }
-            mpirun(n, ["-m", "crossbow_mpi.train", *[f"--{k}={v}" for k, v in flags.items()]], 600)
-            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        flags = {
+            "algorithm": "ssgd",
+            "model": args.model,
+            "learners": 1,
+            "batch-size": args.batch_size,
+            "pipeline-stages": m,
+            "cut": args.cut,
+            "micro-batches": args.micro_batches if m > 1 else 1,
+            "threads": 1,
+            "epochs": samples / 60000,
+            "eval-every": samples // 2,
+            "target-accuracy": 0,
+        }
+        records = train(n, flags)
         rate = [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]
         measured = aggregate / rate
         slowdown = max(1.0, n / cores)
@@ -342,6 +390,50 @@ def validate(args: argparse.Namespace) -> list[dict]:
             }
         )
     return rows
+
+
+def train(ranks: int, flags: dict) -> list[dict]:
+    """Train through the CLI on `ranks` ranks with `--KEY=VALUE` flags in a fresh run directory; return its
+    metrics.jsonl records."""
+    with tempfile.TemporaryDirectory(prefix="plan-run-") as run_dir:
+        flags = {**flags, "run-dir": run_dir}
+        mpirun(ranks, ["-m", "crossbow_mpi.train", *[f"--{k}={v}" for k, v in flags.items()]], 1800)
+        return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def measure_efficiency(args: argparse.Namespace) -> Path:
+    """Train S-SGD to `--target-accuracy` at aggregate batches B, 4B and 16B (B, 4B with --quick) on one rank
+    (S-SGD at aggregate batch B on P ranks is SGD at batch B), the learning rate scaled by √(B/64) from 0.01 as in
+    benchmarks/stat_efficiency.py; write the epochs each took as a stat-efficiency results file and return it."""
+    aggregates = [args.batch_size * f for f in ((1, 4) if args.quick else (1, 4, 16))]
+    rows = []
+    for aggregate in aggregates:
+        flags = {
+            "algorithm": "ssgd",
+            "model": args.model,
+            "dataset": args.dataset or DATASETS[args.model],
+            "batch-size": aggregate,
+            "lr": LR_AT_64 * (aggregate / 64) ** 0.5,
+            "epochs": args.efficiency_epochs,
+            "eval-every": max(aggregate, 200 if args.quick else 2000),
+            "target-accuracy": args.target_accuracy,
+        }
+        summary = train(1, flags)[-1]
+        rows.append(
+            {
+                "algorithm": "ssgd",
+                "aggregate": aggregate,
+                "lr": flags["lr"],
+                "epochs": summary["epochs"] if summary["reached"] else None,
+                "accuracy": summary["final_test_accuracy"],
+            }
+        )
+        print(f"E({aggregate}): {rows[-1]['epochs']} epochs to {args.target_accuracy:.0%}", flush=True)
+    path = args.out / "efficiency.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    settings = {key: flags[key] for key in ("model", "dataset", "epochs", "target-accuracy")}
+    path.write_text(json.dumps({"settings": {**settings, "ranks": 1}, "rows": rows}, indent=1) + "\n")
+    return path
 
 
 def _slowed(work: Workload, factor: float) -> dict:

@@ -1,7 +1,13 @@
 """The planner's performance model: step times and speedups of data parallelism (DP) against hybrid pipelines.
 
 Pure functions of measured or given quantities (Pal et al., IEEE Micro 2019):
-- a ring allreduce of n bytes on P ranks costs 2(P−1)·α + 2(P−1)/P·n·β (α latency, β seconds per byte);
+- an allreduce of n bytes on P ranks costs, by the α-β model (α latency, β seconds per byte) of Thakur,
+  Rabenseifner and Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA 2005):
+  ring (reduce-scatter, then allgather) 2(P−1)·α + 2(P−1)/P·n·β; binomial tree (reduce to a root, then
+  broadcast, unpipelined) 2·⌈log2 P⌉·(α + n·β). `auto` takes the faster of the two for each message and P, as MPI
+  libraries and NCCL choose by size: the tree wins at latency-bound sizes and large P, the ring when bandwidth
+  dominates. NCCL's pipelined double binary tree (≈ 2·log2 P·α + 2·n·β: the tree's latency at nearly the ring's
+  bandwidth) is not modelled; it would move the crossover to larger messages.
 - a pipeline of M stages with μ micro-batches runs μ + M − 1 slots, each as long as the slowest stage's compute
   of one micro-batch plus its activation and gradient messages, so (M−1)/(μ+M−1) of a step is bubble;
 - E(B), the epochs to the target at aggregate batch B, follows E_min·(1 + B/B_noise);
@@ -14,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+ALLREDUCES = ("ring", "tree", "auto")
+
 
 @dataclass(frozen=True)
 class Network:
@@ -23,6 +31,8 @@ class Network:
     """α: the fixed cost of one message, seconds."""
     seconds_per_byte: float
     """β: the inverse bandwidth."""
+    allreduce: str = "ring"
+    """The allreduce algorithm: `ring`, `tree` or `auto` (the faster of the two per message size and P)."""
 
     @classmethod
     def from_link(cls, gbit_per_s: float, latency_us: float) -> Network:
@@ -36,11 +46,20 @@ class Network:
         return self.latency_s + nbytes * self.seconds_per_byte if nbytes else 0.0
 
     def allreduce_s(self, nbytes: float, ranks: int) -> float:
-        """A ring allreduce (reduce-scatter, then allgather) of `nbytes` over `ranks`."""
+        """An allreduce of `nbytes` over `ranks` by this network's algorithm."""
         if ranks <= 1:
             return 0.0
+        ring, tree = self.ring_allreduce_s(nbytes, ranks), self.tree_allreduce_s(nbytes, ranks)
+        return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[self.allreduce]
+
+    def ring_allreduce_s(self, nbytes: float, ranks: int) -> float:
+        """Reduce-scatter, then allgather, around a ring: 2(P−1)·α + 2(P−1)/P·n·β."""
         steps = 2 * (ranks - 1)
         return steps * self.latency_s + steps / ranks * nbytes * self.seconds_per_byte
+
+    def tree_allreduce_s(self, nbytes: float, ranks: int) -> float:
+        """Reduce up a binomial tree, then broadcast down it: 2·⌈log2 P⌉·(α + n·β)."""
+        return 2 * math.ceil(math.log2(ranks)) * (self.latency_s + nbytes * self.seconds_per_byte)
 
 
 def fit_ring_allreduce(sizes_bytes: list[float], seconds: list[float], ranks: int) -> Network:

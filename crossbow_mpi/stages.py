@@ -1,7 +1,15 @@
-"""Splitting a model into pipeline stages: contiguous groups of its modules, balanced by parameter count."""
+"""Splitting a model into pipeline stages: contiguous groups of its modules, balanced by parameter count or by
+measured forward+backward time.
+
+A cut is the list of the M − 1 indices into the model's units (`stage_units`) at which stages 1 … M − 1 begin.
+"""
 
 from __future__ import annotations
 
+import statistics
+import time
+
+import torch
 from torch import nn
 
 
@@ -20,9 +28,10 @@ def pipeline_units(model) -> list[nn.Module]:
     )
 
 
-def split_model(model, stages: int) -> list[list[nn.Module]]:
-    """Cut the model's modules into `stages` contiguous groups, each with trainable parameters, that minimise the
-    largest group's parameter count. A module without parameters joins the group of the module before it."""
+def stage_units(model, stages: int) -> list[list[nn.Module]]:
+    """Return the model's modules grouped into the units a cut may separate: each module with trainable
+    parameters, with the modules without parameters after it (leading ones join the first); ValueError when
+    there are fewer units than stages."""
     units: list[list[nn.Module]] = []
     for module in pipeline_units(model):
         if _trainable(module) or not units:
@@ -37,16 +46,60 @@ def split_model(model, stages: int) -> list[list[nn.Module]]:
             f"--pipeline-stages {stages}: the model has only {len(units)} modules with trainable parameters "
             "to split between stages"
         )
-    costs = [_trainable(*unit) for unit in units]
-    cuts = _balanced_cuts(costs, stages)
-    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cuts], [*cuts, len(units)])]
+    return units
+
+
+def split_model(model, stages: int, cut: list[int] | None = None) -> list[list[nn.Module]]:
+    """Cut the model's units into `stages` contiguous groups at `cut` (default: `param_cut`'s); ValueError when
+    `cut` does not fit the model."""
+    units = stage_units(model, stages)
+    cut = param_cut(model, stages) if cut is None else cut
+    if len(cut) != stages - 1 or cut != sorted(set(cut)) or cut and not 0 < cut[0] <= cut[-1] < len(units):
+        raise ValueError(f"the pipeline cut {cut} does not split the model's {len(units)} units into {stages} stages")
+    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cut], [*cut, len(units)])]
+
+
+def param_cut(model, stages: int) -> list[int]:
+    """The cut that minimises the largest stage's trainable parameter count."""
+    return _balanced_cuts([_trainable(*unit) for unit in stage_units(model, stages)], stages)
+
+
+def time_cut(model, stages: int, inputs: torch.Tensor, reps: int = 5) -> list[int]:
+    """The cut that minimises the largest stage's forward+backward time, each unit timed (median of `reps`) on
+    the output of the units before it, starting from `inputs` (a micro-batch)."""
+    costs = []
+    for unit in stage_units(model, stages):
+        seconds, inputs = forward_backward_s(nn.Sequential(*unit), inputs, reps)
+        costs.append(seconds)
+    return _balanced_cuts(costs, stages)
+
+
+def forward_backward_s(module: nn.Module, inputs: torch.Tensor, reps: int, loss_fn=None) -> tuple[float, torch.Tensor]:
+    """Return the median time of `reps` forward+backward passes of `module` on `inputs` (after one untimed pass)
+    and its output; the backward pass is of `loss_fn(output)`, by default of the output's sum."""
+
+    def once() -> torch.Tensor:
+        x = inputs.detach().requires_grad_(inputs.is_floating_point())
+        y = module(x)
+        (loss_fn(y) if loss_fn else y.sum()).backward()
+        if y.is_cuda:
+            torch.cuda.synchronize(y.device)
+        return y.detach()
+
+    y = once()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), y
 
 
 def _trainable(*modules: nn.Module) -> int:
     return sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
 
 
-def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
+def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
     """Return the parts - 1 cut points of `costs` into non-empty contiguous parts that minimise the largest sum."""
     n = len(costs)
     prefix = [0]

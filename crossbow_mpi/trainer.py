@@ -21,7 +21,7 @@ from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
-from crossbow_mpi.config import Config, ConfigError, per_rank
+from crossbow_mpi.config import Config, ConfigError, per_rank, values
 from crossbow_mpi.data.checks import check_samples
 from crossbow_mpi.engines import build_engine, check_engine
 from crossbow_mpi.flat import FlatLayout
@@ -30,6 +30,7 @@ from crossbow_mpi.metrics import summary_writer_class
 from crossbow_mpi.optimizer import optimizes
 from crossbow_mpi.pipeline import build_pipeline, load_stages
 from crossbow_mpi.run import Run
+from crossbow_mpi.stages import time_cut
 from crossbow_mpi.topology import Topology
 
 __all__ = ["DivergenceError", "FitResult", "Trainer", "agree"]
@@ -142,8 +143,10 @@ class Trainer:
         learners = 1 if cfg.learners == "auto" else cfg.learners
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         if cfg.pipeline_stages > 1:
-            stage = self.topology.stage
-            model_fn, engine = agree(world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads))
+            stage, device = self.topology.stage, self.device
+            cut = agree(world, lambda: _pipeline_cut(cfg, model_fn, train_set, device) if world.rank == 0 else None)
+            cut = world.bcast_json(cut)
+            model_fn, engine = agree(world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads, cut))
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
@@ -177,7 +180,7 @@ class Trainer:
             parts.retuning.choose(run)
             result = self._loop(run, parts)
             if cfg.pipeline_stages > 1:
-                result = _whole_model(result, self.topology.stage, model_fn)
+                result = _whole_model(result, self.topology.stage, model_fn, run.engine.cut)
         except BaseException:
             parts.close(failed=True)
             raise
@@ -277,17 +280,38 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
     )
 
 
-def _whole_model(result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module]) -> FitResult:
+def _whole_model(
+    result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module], cut: list[int]
+) -> FitResult:
     """Return the result of a pipeline run with the whole `model_fn()` model, joined from the stages' z and extra
-    state (collective over the stage scope)."""
+    state, the model cut at `cut` (collective over the stage scope)."""
     states = stage.allgather_bytes(result.central.view(torch.uint8).numpy().tobytes())
     extras = stage.allgather_bytes(result._extra)
     shards = [(torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra) for z, extra in zip(states, extras)]
-    model = load_stages(model_fn(), shards)
+    model = load_stages(model_fn(), shards, cut)
     layout = FlatLayout(model)
     return dataclasses.replace(
         result, central=layout.flatten(model), _model_fn=model_fn, _extra=layout.extra_state_bytes(model)
     )
+
+
+def _pipeline_cut(cfg: Config, model_fn: Callable[[], nn.Module], train_set, device: torch.device) -> list[int] | None:
+    """Return where to cut the model into the pipeline's stages (see `stages`): on resume the newest valid
+    checkpoint's cut, so that its shards load into the same stages; with `--cut time` the cut that balances
+    forward+backward time, measured on a micro-batch of the training set; else None (by parameter count)."""
+    if cfg.resume:
+        path, _ = checkpoint.newest_valid(cfg.run_dir)
+        stored = checkpoint.read_cut(path) if path else None
+        if stored is not None and len(stored) == cfg.pipeline_stages - 1:
+            return stored
+    if cfg.cut == "params":
+        return None
+    micro = max(1, min(values(cfg.batch_size)) // cfg.micro_batches)
+    with torch.random.fork_rng(devices=[]):  # the measurement leaves the run's random streams as they were
+        model = model_fn().to(device)
+        dtype = next(model.parameters()).dtype
+        inputs = torch.stack([train_set[i][0] for i in range(min(micro, len(train_set)))]).to(device, dtype)
+        return time_cut(model, cfg.pipeline_stages, inputs)
 
 
 def _check_test_set(test_set) -> None:

@@ -3,6 +3,7 @@ stages divide the ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import h5py
@@ -20,6 +21,7 @@ from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
 from crossbow_mpi.models import LeNet
 from crossbow_mpi.pipeline import schedule_ops
+from crossbow_mpi.stages import param_cut, split_model, time_cut
 
 from conftest import run_job, run_tool, self_comm
 from reference import relative_error, sgd_reference, sma_reference
@@ -147,14 +149,71 @@ def test_pipeline_resume_is_bit_identical(comm, shared_tmp, algorithm):
 
     whole = fit(shared_tmp / "whole")
     fit(shared_tmp / "cut")
-    if comm.rank == 0:
-        for path in list_checkpoints(str(shared_tmp / "cut" / "run")):
-            if path.name > "checkpoint-000000010.h5":
-                path.unlink()
-    comm.barrier()
+    _drop_checkpoints_after(comm, shared_tmp / "cut" / "run", 10)
     resumed = fit(shared_tmp / "cut", resume=True)
     assert resumed.iterations == whole.iterations == 2 * STEPS
     assert torch.equal(resumed.central, whole.central)
+
+
+def _drop_checkpoints_after(comm, run_dir, iteration: int) -> None:
+    """Delete the run's checkpoints after `iteration` (on rank 0), as if the job had stopped there."""
+    if comm.rank == 0:
+        for path in list_checkpoints(str(run_dir)):
+            if path.name > f"checkpoint-{iteration:09d}.h5":
+                path.unlink()
+    comm.barrier()
+
+
+def convs_then_dense() -> nn.Module:
+    """Convolutions on an upsampled image (few parameters, most of the compute), then a dense layer (the reverse):
+    cut in two by parameters after the convolutions ([3]), by time between them ([2])."""
+    return nn.Sequential(
+        *(nn.Upsample(scale_factor=4), nn.Conv2d(1, 32, 3, padding=1), nn.Tanh()),
+        *(nn.Conv2d(32, 32, 3, padding=1), nn.Tanh(), nn.Conv2d(32, 32, 3, padding=1), nn.Tanh()),
+        *(nn.AvgPool2d(4), nn.Flatten(), nn.Linear(1152, 64), nn.Tanh(), nn.Linear(64, 10)),
+    )
+
+
+def test_a_cut_by_time_balances_compute_and_a_cut_is_checked():
+    model, threads = convs_then_dense(), torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a loaded two-core machine time mostly the other jobs
+    try:
+        assert param_cut(model, 2) == [3] and time_cut(model, 2, torch.randn(2, 1, 6, 6)) == [2]
+    finally:
+        torch.set_num_threads(threads)
+    assert [len(stage) for stage in split_model(model, 2, [2])] == [5, 7]
+    for cut in ([5], [0], [1, 2]):
+        with pytest.raises(ValueError, match="does not split the model's 5 units into 2 stages"):
+            split_model(model, 2, cut)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_time_cut_is_checkpointed_and_a_resume_takes_it(comm, shared_tmp):
+    needs_stages(comm, 2)
+    train, test = datasets(comm.size // 2, 1)
+
+    def fit(**overrides):
+        cfg = run_config(
+            shared_tmp, learners=1, pipeline_stages=2, micro_batches=2, checkpoint_every=5, keep_checkpoints=20
+        )
+        return Trainer(dataclasses.replace(cfg, lr=0.01, **overrides), comm).fit(convs_then_dense, train, test)
+
+    whole = fit(cut="time")
+    _drop_checkpoints_after(comm, shared_tmp / "run", 10)
+    newest = list_checkpoints(str(shared_tmp / "run"))[-1]
+    with h5py.File(newest) as f:
+        cut = json.loads(f.attrs["pipeline_cut"])
+    assert cut in ([1], [2], [3])  # [2] unless the machine's load upset the timing
+    resumed = fit(resume=True)  # --cut params: the checkpoint's cut wins
+    assert torch.equal(resumed.central, whole.central)
+
+    _drop_checkpoints_after(comm, shared_tmp / "run", 10)
+    if comm.rank == 0:
+        with h5py.File(newest, "r+") as f:
+            f.attrs["pipeline_cut"] = json.dumps([3] if cut == [2] else [2])
+    comm.barrier()
+    with pytest.raises(ConfigError, match="holds a different model"):  # another cut's stages: refused
+        fit(resume=True)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -233,10 +292,11 @@ def test_schedules_complete_and_1f1b_bounds_the_activations_held(schedule, stage
 
 @pytest.fixture(scope="module")
 def lenet_run(tmp_path_factory):
-    """The run directory of a two-stage CLI run of LeNet."""
+    """The run directory of a two-stage CLI run of LeNet, cut by time."""
     run_dir = tmp_path_factory.mktemp("run")
     args = ["--dataset", "synthetic-mnist", "--model", "lenet", "--pipeline-stages", "2", "--micro-batches", "2"]
     args += ["--schedule", "1f1b", "--epochs", "0.002", "--target-accuracy", "0", "--run-dir", str(run_dir)]
+    args += ["--cut", "time"]
     job = run_job(2, args, timeout=120)
     assert job.returncode == 0, job.stderr
     return run_dir
@@ -244,7 +304,7 @@ def lenet_run(tmp_path_factory):
 
 def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(lenet_run):
     with h5py.File(list_checkpoints(str(lenet_run))[-1]) as f:
-        assert f.attrs["pipeline_stages"] == 2 and "central" not in f
+        assert f.attrs["pipeline_stages"] == 2 and "central" not in f and len(json.loads(f.attrs["pipeline_cut"])) == 1
         sizes = [f[f"stages/{s}/central/z"].shape[0] for s in (0, 1)]
         assert [f[f"ranks/{r}/weights"].shape[1] for r in (0, 1)] == sizes
     lenet = LeNet()

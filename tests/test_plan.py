@@ -23,6 +23,18 @@ def test_ring_allreduce_and_send_costs():
     assert network.send_s(0) == 0.0
 
 
+def test_tree_allreduce_and_the_faster_of_the_two():
+    ring, tree, auto = (Network(1e-5, 1e-9, algorithm) for algorithm in projection.ALLREDUCES)
+    assert tree.allreduce_s(1e6, 4) == pytest.approx(4 * (1e-5 + 1e-3))  # 2·⌈log2 P⌉·(α + n·β)
+    assert tree.allreduce_s(1e6, 5) == pytest.approx(6 * (1e-5 + 1e-3))  # a partial level costs a whole one
+    assert tree.allreduce_s(1e6, 1) == 0.0
+    # bandwidth-bound: the ring's 1.56 ms beats the tree's 4.04 ms at 1 MB on 4 ranks
+    assert auto.allreduce_s(1e6, 4) == pytest.approx(ring.allreduce_s(1e6, 4)) == pytest.approx(6e-5 + 1.5e-3)
+    # latency-bound: at 1 kB on 1024 ranks the ring's 2046 latencies cost 20.5 ms, the tree's 20 levels 0.22 ms
+    assert auto.allreduce_s(1e3, 1024) == pytest.approx(20 * (1e-5 + 1e-6))
+    assert ring.allreduce_s(1e3, 1024) == pytest.approx(2046e-5 + 2046 / 1024 * 1e-6)
+
+
 def test_a_link_in_gbit_per_s_and_microseconds():
     infiniband = Network.from_link(100, 1)
     assert infiniband.seconds_per_byte == pytest.approx(8e-11) and infiniband.latency_s == pytest.approx(1e-6)
@@ -116,6 +128,9 @@ def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         (["--bandwidth", "100"], "together"),
         (["--ranks", "1"], "--ranks"),
         (["--efficiency", "/nonexistent.json"], "no such file"),
+        (["--measure-efficiency", "--efficiency", "benchmarks/results/stat_efficiency.json"], "not both"),
+        (["--target-accuracy", "2"], "--target-accuracy"),
+        (["--workload", "/nonexistent.json"], "no such file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -124,7 +139,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 
 
 def test_quick_plan_projects_validates_and_plots(tmp_path):
-    done = run_plan("--quick", "--validate", "--bandwidth", "100", "--latency", "1", "--out", str(tmp_path))
+    network = ("--bandwidth", "100", "--latency", "1")
+    done = run_plan("--quick", "--validate", "--cut", "time", *network, "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     record = json.loads((tmp_path / "plan.json").read_text())
     cells = {(c["devices"], c["stages"]) for c in record["projection"]}
@@ -133,3 +149,26 @@ def test_quick_plan_projects_validates_and_plots(tmp_path):
     assert all(r["measured_step_ms"] > 0 and r["projected_step_ms"] > 0 for r in record["validation"])
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert "SU_MP(M) > SU_DP(N)/SU_DP(N/M)" in done.stdout
+
+    again = run_plan("--workload", str(tmp_path / "plan.json"), *network, "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    projected = json.loads((tmp_path / "again" / "plan.json").read_text())
+    assert projected["projection"] == record["projection"]
+    assert projected["workload"]["cut"] == "time" and projected["workload"]["stages"] == record["workload"]["stages"]
+
+
+def test_measured_efficiency_is_a_results_file_that_the_plan_fits(tmp_path):
+    done = run_plan(
+        *("--quick", "--measure-efficiency", "--model", "mlp", "--dataset", "synthetic-mnist"),
+        *("--target-accuracy", "0.2", "--efficiency-epochs", "0.1", "--bandwidth", "100", "--latency", "1"),
+        *("--out", str(tmp_path)),
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "efficiency.json").read_text())["rows"]
+    assert [(r["algorithm"], r["aggregate"]) for r in rows] == [("ssgd", 16), ("ssgd", 64)]
+    curve = json.loads((tmp_path / "plan.json").read_text())["epoch_curve"]
+    assert curve["source"] == str(tmp_path / "efficiency.json")
+    for row in rows:  # two points: the line goes through both
+        assert EpochCurve(curve["min_epochs"], curve["noise_batch"]).epochs(row["aggregate"]) == pytest.approx(
+            row["epochs"]
+        )
