@@ -69,6 +69,16 @@ class Budget:
     timeout_s: float
     """Wall-clock limit of one launched job."""
 
+    def flags(self) -> dict:
+        """The training CLI's flags for what this budget trains and how far."""
+        return {
+            "model": self.model,
+            "dataset": self.dataset,
+            "target_accuracy": self.target_accuracy,
+            "eval_every": self.eval_every,
+            "epochs": self.epochs,
+        }
+
 
 @dataclass
 class Report:

@@ -1,37 +1,80 @@
-"""Time to accuracy: LeNet/MNIST to 99 % on 2 ranks × 1 thread, crossbow_mpi against the best PyTorch DDP run.
+"""Time to accuracy: LeNet/MNIST to 99 %, crossbow_mpi against PyTorch DDP, each system at its best of one grid.
 
-The DDP peer (benchmarks/ddp_peer.py, S-SGD with momentum over gloo) first runs a grid of per-rank batch sizes ×
-two learning rates (scaled linearly with the batch), a run stopping once it has trained longer than the fastest
-so far needed; the fastest point is the reference. Then, interleaved repetition by repetition, the reference,
-crossbow_mpi S-SGD at the same batch and learning rate, and SMA with 1, 2 and 4 learners per rank and with
-`--learners auto` run with the same seeds, evaluation interval and evaluation cost.
+    python -m benchmarks.tta [--quick] [--reps 5]
+
+The machine's 2 cores run in two layouts: 2 ranks × 1 thread, and 1 rank × 2 threads, CROSSBOW's regime (one
+device that a single small-batch learner cannot fill; SMA's learners share it on the threads engine, which
+`--engine auto` picks on a CPU rank with several threads, and DDP runs 1 process × 2 threads).
+
+1. Grid (seed 1). In each layout every system, PyTorch DDP (benchmarks/ddp_peer.py), crossbow_mpi S-SGD, SMA
+   and SMA with `--learners auto`, trains at every per-rank batch b ∈ {16, 32, 64} and learning rate
+   {0.0025, 0.005, 0.01, 0.02, 0.04} × b/16 (per learner for SMA); SMA also at k ∈ {1, 2, 4} learners per rank
+   and α ∈ {0.1, 1/(k·P)} (auto: α 0.1). Points run likeliest winner first, the systems interleaved point by
+   point. A run stops once it has trained longer than the fastest run of its own system in its layout so far
+   took to reach the target, since it can no longer win: DDP by `--time-limit` (checked at evaluations);
+   crossbow_mpi, which has no time limit, by an epoch cap, the epochs it could train in that time at 1.5× the
+   fastest samples/s measured so far at its layout, system, k and b, rounded up to an evaluation (no cap before
+   one is measured). No system gets fewer points.
+2. Finalists (seeds 2 … reps + 1, fresh: a point that won on seed 1 is not measured on its lucky seed again),
+   interleaved: each system's best point, and the same-setting pairs: every crossbow_mpi system's best k and α
+   at DDP's best b and lr, and DDP at each crossbow_mpi system's best b and lr. Rows give the median time, its
+   spread (min, max; max "-" when a seed did not reach the target), and the ratio to DDP's best (best against
+   best) and to DDP at the same b and lr.
+3. Throughput: ResNet-32 on synthetic CIFAR, samples/s of DDP, S-SGD and SMA at their best points' b, lr, k and
+   α in each layout, interleaved, training steps only (`--learners auto` is left out: its k is chosen during
+   the run; benchmarks/learners.py measures that).
+
+Duration of the full run (estimated, not measured: 2 cores, nothing else running). The grid has 135 points per
+layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run costs about 70 s with its launch (the
+old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (DDP at the first
+evaluation past it, crossbow_mpi at up to 1.5× it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
+4–10 variants per layout × 5 seeds × ≈ 70 s ≈ 1–2 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
+≈ 20 s ≈ 10 min. In all ≈ 7–9 h. `--quick` (mlp, synthetic data, b 16, 2 learning rates, k ∈ {1, 2}, α 0.1, both
+layouts, 1 seed) launches about 40 jobs, and a launch costs ≈ 3 s of start-up alone: it took 8 min with the machine
+shared (load average 7) and 3.8 min at load 3–5 (3.7 min of CPU), so ≈ 2–2.5 min unloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
 from benchmarks import harness
 
-RANKS = 2
-LEARNERS = (1, 2, 4)
-SMA = {"batch_size": 16, "lr": 0.01}
-"""SMA's hyper-parameters: crossbow_mpi's defaults (batch 16 per learner, lr 0.01, α 0.1, μ_z 0.9)."""
+LAYOUTS = {"2x1": (2, 1), "1x2": (1, 2)}
+"""Each layout's ranks and threads per rank."""
+SYSTEMS = ("ddp", "ssgd", "sma", "sma auto")
+SPEED_SYSTEMS = ("ddp", "ssgd", "sma")
+"""The systems of the throughput phase (auto's k is chosen during the run)."""
+ALPHA = 0.1
+"""SMA's α besides 1/(k·P), and auto's (crossbow_mpi's default)."""
+RATE_MARGIN = 1.5
+"""How much faster than the fastest measured samples/s a crossbow_mpi run's epoch cap allows for."""
+GRID_SEEDS = 1
+"""Seeds of the grid (seed 1); the finalists run on the seeds after them."""
 
 
 @dataclass
 class Budget(harness.Budget):
-    """The DDP grid's extent."""
+    """The grid's extent; `epochs` is the finalists' epoch limit."""
 
     grid_epochs: float
     """Epoch limit of a grid run: a point that needs more is not a contender."""
+    epoch_samples: int
+    """Training samples in an epoch of `dataset` (to turn a time limit into crossbow_mpi's epoch cap)."""
     batch_sizes: tuple[int, ...]
-    """Per-rank batch sizes of the DDP grid, likeliest winner first: a grid run stops (`--time-limit`) once it
-    has trained longer than the fastest run so far took to reach the target, since it can no longer win."""
-    lrs_at_64: tuple[float, ...]
-    """The grid's learning rates at per-rank batch 64, scaled linearly with the batch size."""
-    grid_reps: int
+    """Per-rank (SMA: per-learner) batch sizes, likeliest winner first."""
+    lrs_at_16: tuple[float, ...]
+    """Learning rates at batch 16, scaled linearly with the batch size, likeliest winner first."""
+    learners: tuple[int, ...]
+    """SMA's learners per rank, likeliest winner first."""
+    scaled_alpha: bool
+    """Also try SMA with α = 1/(k·P) besides α = 0.1."""
+    speed_model: str
+    speed_dataset: str
+    speed_epochs: float
+    """Training of a throughput run (one evaluation, at the end)."""
 
 
 FULL = Budget(
@@ -39,122 +82,302 @@ FULL = Budget(
     "mnist",
     0.99,
     15000,
-    grid_epochs=3,
-    epochs=6,
-    batch_sizes=(64, 256, 16),
-    lrs_at_64=(0.03, 0.01),
-    grid_reps=1,
+    epochs=8,
     timeout_s=900,
+    grid_epochs=6,
+    epoch_samples=60000,
+    batch_sizes=(16, 32, 64),
+    lrs_at_16=(0.01, 0.005, 0.02, 0.0025, 0.04),
+    learners=(2, 1, 4),
+    scaled_alpha=True,
+    speed_model="resnet32",
+    speed_dataset="synthetic-cifar",
+    speed_epochs=0.05,
 )
 QUICK = Budget(
     "mlp",
     "synthetic-mnist",
     0.15,
     600,
-    grid_epochs=0.02,
     epochs=0.02,
-    batch_sizes=(16,),
-    lrs_at_64=(0.01, 0.03),
-    grid_reps=1,
     timeout_s=120,
+    grid_epochs=0.02,
+    epoch_samples=60000,
+    batch_sizes=(16,),
+    lrs_at_16=(0.01, 0.02),
+    learners=(2, 1),
+    scaled_alpha=False,
+    speed_model="mlp",
+    speed_dataset="synthetic-cifar",
+    speed_epochs=0.01,
 )
 
-COLUMNS = ["phase", "system", "algorithm", "k", "b", "lr", "reached", "tta_s", "epochs", "samples_per_s", "vs_ddp"]
+COLUMNS = [
+    "layout",
+    "phase",
+    "role",
+    "system",
+    "k",
+    "alpha",
+    "b",
+    "lr",
+    "reached",
+    "tta_s",
+    "min",
+    "max",
+    "epochs",
+    "samples_per_s",
+    "vs_ddp_best",
+    "vs_ddp_same",
+]
 
 
-def common_flags(budget: Budget, epochs: float) -> dict:
+@dataclass(frozen=True)
+class Point:
+    """One system's settings in one layout."""
+
+    layout: str
+    system: str
+    b: int
+    lr: float
+    k: int | str = 1
+    alpha: float | None = None
+
+    @property
+    def name(self) -> str:
+        sma = f" k={self.k} alpha={self.alpha:g}" if self.alpha is not None else ""
+        return f"{self.layout} {self.system} b={self.b} lr={self.lr:g}{sma}"
+
+    @property
+    def trainer(self) -> str:
+        return "ddp" if self.system == "ddp" else "crossbow"
+
+    @property
+    def ranks(self) -> int:
+        return LAYOUTS[self.layout][0]
+
+    def flags(self) -> dict:
+        """The training CLI's flags for this point (without the budget's)."""
+        flags = {"batch_size": self.b, "lr": self.lr, "threads": LAYOUTS[self.layout][1]}
+        if self.system == "ddp":
+            return flags
+        algorithm = {"algorithm": "ssgd" if self.system == "ssgd" else "sma", "learners": self.k}
+        return {**flags, **algorithm, **({} if self.alpha is None else {"alpha": self.alpha})}
+
+    def at(self, other: Point) -> Point:
+        """This system's settings at `other`'s batch size and learning rate."""
+        return dataclasses.replace(self, b=other.b, lr=other.lr)
+
+
+def grid(budget: Budget) -> list[Point]:
+    """Every system's points in every layout, likeliest winner first, the systems interleaved point by point."""
+    points = []
+    for b in budget.batch_sizes:
+        for lr in (lr_16 * b / 16 for lr_16 in budget.lrs_at_16):
+            for layout, (ranks, _) in LAYOUTS.items():
+                points += [Point(layout, "ddp", b, lr), Point(layout, "ssgd", b, lr)]
+                for k in budget.learners:
+                    alphas = [ALPHA] + ([1 / (k * ranks)] if budget.scaled_alpha else [])
+                    points += [Point(layout, "sma", b, lr, k, alpha) for alpha in dict.fromkeys(alphas)]
+                points.append(Point(layout, "sma auto", b, lr, "auto", ALPHA))
+    return points
+
+
+class Pruner:
+    """Limit each grid run to the fastest time to the target of its layout's system so far (see the docstring)."""
+
+    def __init__(self, budget: Budget):
+        self.budget = budget
+        self.best_s: dict[tuple, float] = {}
+        self.samples_per_s: dict[tuple, float] = {}
+
+    def limit(self, point: Point) -> dict:
+        best = self.best_s.get((point.layout, point.system))
+        rate = self.samples_per_s.get((point.layout, point.system, point.k, point.b))
+        if best is None or (point.trainer == "crossbow" and rate is None):
+            return {}
+        if point.trainer == "ddp":
+            return {"time_limit": best}
+        evaluations = math.ceil(best * rate * RATE_MARGIN / self.budget.eval_every)
+        return {
+            "epochs": min(self.budget.grid_epochs, evaluations * self.budget.eval_every / self.budget.epoch_samples)
+        }
+
+    def run(self, point: Point, flags: dict):
+        """Return a run for `interleave` that trains `point` within its limit and records its time and speed."""
+
+        def run(rep: int) -> dict:
+            limit = self.limit(point)
+            result = harness.seeded(point.trainer, point.ranks, {**flags, **limit}, self.budget.timeout_s)(rep)
+            if result["tta_s"] is not None:
+                race = (point.layout, point.system)
+                self.best_s[race] = min(self.best_s.get(race, math.inf), result["tta_s"])
+            if result.get("samples_per_s"):
+                shape = (point.layout, point.system, point.k, point.b)
+                self.samples_per_s[shape] = max(self.samples_per_s.get(shape, 0.0), result["samples_per_s"])
+            return {"limit": limit, **result}
+
+        return run
+
+
+def best_points(points: list[Point], rows: dict[str, dict]) -> dict[tuple[str, str], Point]:
+    """Each layout's system's fastest point (ties, and no point reaching the target: the most accurate)."""
+    best = {}
+    for point in points:
+        rank = (rows[point.name]["tta_s"] or math.inf, -(rows[point.name]["accuracy"] or 0.0))
+        race = (point.layout, point.system)
+        if race not in best or rank < best[race][0]:
+            best[race] = (rank, point)
+    return {race: point for race, (_, point) in best.items()}
+
+
+def finalists(best: dict[tuple[str, str], Point]) -> dict[str, Point]:
+    """Each system's best point and the same-setting pairs with DDP's best, per layout, without repeats."""
+    chosen = {}
+    for layout in LAYOUTS:
+        ddp = best[(layout, "ddp")]
+        mine = [best[(layout, system)] for system in SYSTEMS]
+        pairs = [p for point in mine[1:] for p in (point.at(ddp), ddp.at(point))]
+        chosen |= {point.name: point for point in mine + pairs if point.name not in chosen}
+    return chosen
+
+
+def fresh_seeds(run):
+    """Run repetition r with seed r + 2: the grid's seed 1, on which the finalists won, is not used again."""
+    return lambda rep: run(rep + GRID_SEEDS)
+
+
+def spread(runs: list[dict], name: str, key: str) -> tuple[float | None, float | None]:
+    """Min and max of `key` over one variant's runs; max None when a run has none (did not reach the target)."""
+    values = harness.column(runs, name, key)
+    known = [value for value in values if value is not None]
+    return (min(known) if known else None), (max(known) if len(known) == len(values) else None)
+
+
+def race_rows(phase: str, points: dict[str, Point], runs: list[dict], best: dict, role) -> list[dict]:
+    """One row per point: its median time to the target and spread, and its ratio to DDP's best and to DDP at
+    the same batch size and learning rate (where that DDP point ran in this phase)."""
+    summary = {name: harness.train_row(runs, name) for name in points}
+
+    def ratio_to(point: Point, ddp: Point) -> float | None:
+        return harness.ratio(summary[point.name]["tta_s"], summary.get(ddp.name, {}).get("tta_s"))
+
+    rows = []
+    for name, point in points.items():
+        low, high = spread(runs, name, "tta_s")
+        ddp = best[(point.layout, "ddp")]
+        rows.append(
+            {
+                **row_keys(phase, role(point), point),
+                **summary[name],
+                "min": low,
+                "max": high,
+                "vs_ddp_best": ratio_to(point, ddp),
+                "vs_ddp_same": ratio_to(point, ddp.at(point)),
+            }
+        )
+    return rows
+
+
+def row_keys(phase: str, role: str, point: Point) -> dict:
     return {
-        "model": budget.model,
-        "dataset": budget.dataset,
-        "target_accuracy": budget.target_accuracy,
-        "eval_every": budget.eval_every,
-        "epochs": epochs,
-        "threads": 1,
+        "layout": point.layout,
+        "phase": phase,
+        "role": role,
+        "system": point.system,
+        "k": point.k,
+        "alpha": point.alpha,
+        "b": point.b,
+        "lr": point.lr,
     }
+
+
+def throughput(budget: Budget, best: dict, reps: int) -> tuple[list[dict], list[dict]]:
+    """Samples/s of `speed_model` for DDP, S-SGD and SMA at their best points in each layout: rows and runs."""
+    flags = {
+        "model": budget.speed_model,
+        "dataset": budget.speed_dataset,
+        "target_accuracy": 0,
+        "eval_every": harness.NEVER,
+        "epochs": budget.speed_epochs,
+    }
+    points = {best[(layout, system)].name: best[(layout, system)] for layout in LAYOUTS for system in SPEED_SYSTEMS}
+    runs = harness.interleave(
+        {
+            name: harness.seeded(point.trainer, point.ranks, {**flags, **point.flags()}, budget.timeout_s)
+            for name, point in points.items()
+        },
+        reps,
+    )
+    rows = []
+    for name, point in points.items():
+        rate = harness.train_row(runs, name)["samples_per_s"]
+        ddp = harness.train_row(runs, best[(point.layout, "ddp")].name)["samples_per_s"]
+        low, high = spread(runs, name, "samples_per_s")
+        rows.append(
+            {
+                **dict.fromkeys(COLUMNS),
+                **row_keys("throughput", "best", point),
+                "samples_per_s": rate,
+                "min": low,
+                "max": high,
+                "vs_ddp_best": harness.ratio(rate, ddp),
+            }
+        )
+    return rows, runs
 
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    grid = {
-        f"ddp b={b} lr={lr_64 * b / 64:g}": {"batch_size": b, "lr": lr_64 * b / 64}
-        for b in budget.batch_sizes
-        for lr_64 in budget.lrs_at_64
-    }
-    harness.log(f"tta: DDP grid of {len(grid)} points × {budget.grid_reps}")
-    best_time = [math.inf]
-
-    def grid_runner(flags: dict):
-        def run(rep: int) -> dict:
-            limit = {} if math.isinf(best_time[0]) else {"time_limit": best_time[0]}
-            result = harness.seeded(
-                "ddp", RANKS, {**common_flags(budget, budget.grid_epochs), **flags, **limit}, budget.timeout_s
-            )(rep)
-            best_time[0] = min(best_time[0], result["tta_s"] or math.inf)
-            return result
-
-        return run
-
-    grid_runs = harness.interleave({name: grid_runner(flags) for name, flags in grid.items()}, budget.grid_reps)
-    grid_rows = {name: harness.train_row(grid_runs, name) for name in grid}
-    best = min(
-        grid,
-        key=lambda name: (
-            grid_rows[name]["tta_s"] or math.inf,
-            -max(harness.column(grid_runs, name, "final_accuracy")),
-        ),
-    )
-    harness.log(f"tta: best DDP point {best}; comparison × {options.reps}")
-
-    ssgd = grid[best]
-    variants = {"ddp": ("ddp", ssgd), "crossbow ssgd": ("crossbow", {"algorithm": "ssgd", "learners": 1, **ssgd})}
-    variants |= {f"crossbow sma k={k}": ("crossbow", {"algorithm": "sma", "learners": k, **SMA}) for k in LEARNERS}
-    variants["crossbow sma auto"] = ("crossbow", {"algorithm": "sma", "learners": "auto", **SMA})
-    flags = {name: {**common_flags(budget, budget.epochs), **extra} for name, (_, extra) in variants.items()}
-    runs = harness.interleave(
+    points = {point.name: point for point in grid(budget)}
+    harness.log(f"tta: grid of {len(points)} points")
+    pruner = Pruner(budget)
+    grid_runs = harness.interleave(
         {
-            name: harness.seeded(trainer, RANKS, flags[name], budget.timeout_s)
-            for name, (trainer, _) in variants.items()
+            name: pruner.run(point, {**budget.flags(), "epochs": budget.grid_epochs, **point.flags()})
+            for name, point in points.items()
+        },
+        1,
+    )
+    best = best_points(list(points.values()), {name: harness.train_row(grid_runs, name) for name in points})
+    final = finalists(best)
+    harness.log(f"tta: {len(final)} finalists × {options.reps} seeds")
+    final_runs = harness.interleave(
+        {
+            name: fresh_seeds(
+                harness.seeded(point.trainer, point.ranks, {**budget.flags(), **point.flags()}, budget.timeout_s)
+            )
+            for name, point in final.items()
         },
         options.reps,
     )
+    speed_rows, speed_runs = throughput(budget, best, options.reps)
 
-    rows = [
-        {
-            "phase": "grid",
-            "system": "ddp",
-            "algorithm": "ssgd",
-            "k": 1,
-            "b": point["batch_size"],
-            "lr": point["lr"],
-            **grid_rows[name],
-            "vs_ddp": None,
-        }
-        for name, point in grid.items()
-    ]
-    reference = harness.train_row(runs, "ddp")["tta_s"]
-    for name, (trainer, _) in variants.items():
-        row = harness.train_row(runs, name)
-        rows.append(
-            {
-                "phase": "compare",
-                "system": trainer,
-                "algorithm": flags[name].get("algorithm", "ssgd"),
-                "k": flags[name].get("learners", 1),
-                "b": flags[name]["batch_size"],
-                "lr": flags[name]["lr"],
-                **row,
-                "vs_ddp": harness.ratio(row["tta_s"], reference),
-            }
-        )
+    def role(point: Point) -> str:
+        return "best" if best[(point.layout, point.system)] == point else "pair"
+
+    rows = race_rows("grid", points, grid_runs, best, lambda point: "-") + race_rows(
+        "final", final, final_runs, best, role
+    )
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, "
-        f"{RANKS} ranks × 1 thread (medians; vs_ddp = time / best DDP time)",
+        f"2 ranks × 1 thread (2x1) and 1 rank × 2 threads (1x2); {budget.speed_model} samples/s on "
+        f"{budget.speed_dataset} (medians, min and max; vs_ddp_*: time / DDP's best point's and DDP's at the same "
+        "b and lr; throughput rows: samples/s / DDP's)",
         columns=COLUMNS,
-        rows=rows,
-        runs=[{"phase": "grid", **run} for run in grid_runs] + [{"phase": "compare", **run} for run in runs],
-        settings={"ranks": RANKS, "budget": asdict(budget), "grid": grid, "best_ddp": best, "variants": flags},
+        rows=rows + speed_rows,
+        runs=[{"phase": "grid", **run} for run in grid_runs]
+        + [{"phase": "final", **run} for run in final_runs]
+        + [{"phase": "throughput", **run} for run in speed_runs],
+        settings={
+            "layouts": LAYOUTS,
+            "budget": asdict(budget),
+            "rate_margin": RATE_MARGIN,
+            "best": {f"{layout} {system}": point.name for (layout, system), point in best.items()},
+            "finalists": {name: point.flags() for name, point in final.items()},
+        },
     )
 
 
 if __name__ == "__main__":
-    harness.main(measure)
+    harness.main(measure, full_reps=5)
