@@ -29,9 +29,8 @@ layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run co
 old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (DDP at the first
 evaluation past it, crossbow_mpi at up to 1.5× it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
 4–10 variants per layout × 5 seeds × ≈ 70 s ≈ 1–2 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
-≈ 20 s ≈ 10 min. In all ≈ 7–9 h. `--quick` (mlp, synthetic data, b 16, 2 learning rates, k ∈ {1, 2}, α 0.1, both
-layouts, 1 seed) launches about 40 jobs, and a launch costs ≈ 3 s of start-up alone: it took 8 min with the machine
-shared (load average 7) and 3.8 min at load 3–5 (3.7 min of CPU), so ≈ 2–2.5 min unloaded.
+≈ 20 s ≈ 10 min. In all ≈ 7–9 h. `--quick` (mlp, synthetic data, b 16, 2 learning rates, k = 2, α 0.1,
+the 1 × 2 layout only, 1 seed) checks every phase with about 15 launches.
 """
 
 from __future__ import annotations
@@ -71,6 +70,8 @@ class Budget(harness.Budget):
     """SMA's learners per rank, likeliest winner first."""
     scaled_alpha: bool
     """Also try SMA with α = 1/(k·P) besides α = 0.1."""
+    layouts: tuple[str, ...]
+    """The layouts (of `LAYOUTS`) it races in."""
     speed_model: str
     speed_dataset: str
     speed_epochs: float
@@ -90,6 +91,7 @@ FULL = Budget(
     lrs_at_16=(0.01, 0.005, 0.02, 0.0025, 0.04),
     learners=(2, 1, 4),
     scaled_alpha=True,
+    layouts=tuple(LAYOUTS),
     speed_model="resnet32",
     speed_dataset="synthetic-cifar",
     speed_epochs=0.05,
@@ -105,8 +107,9 @@ QUICK = Budget(
     epoch_samples=60000,
     batch_sizes=(16,),
     lrs_at_16=(0.01, 0.02),
-    learners=(2, 1),
+    learners=(2,),
     scaled_alpha=False,
+    layouts=("1x2",),
     speed_model="mlp",
     speed_dataset="synthetic-cifar",
     speed_epochs=0.01,
@@ -174,7 +177,8 @@ def grid(budget: Budget) -> list[Point]:
     points = []
     for b in budget.batch_sizes:
         for lr in (lr_16 * b / 16 for lr_16 in budget.lrs_at_16):
-            for layout, (ranks, _) in LAYOUTS.items():
+            for layout in budget.layouts:
+                ranks = LAYOUTS[layout][0]
                 points += [Point(layout, "ddp", b, lr), Point(layout, "ssgd", b, lr)]
                 for k in budget.learners:
                     alphas = [ALPHA] + ([1 / (k * ranks)] if budget.scaled_alpha else [])
@@ -234,7 +238,7 @@ def best_points(points: list[Point], rows: dict[str, dict]) -> dict[tuple[str, s
 def finalists(best: dict[tuple[str, str], Point]) -> dict[str, Point]:
     """Each system's best point and the same-setting pairs with DDP's best, per layout, without repeats."""
     chosen = {}
-    for layout in LAYOUTS:
+    for layout in dict.fromkeys(layout for layout, _ in best):
         ddp = best[(layout, "ddp")]
         mine = [best[(layout, system)] for system in SYSTEMS]
         pairs = [p for point in mine[1:] for p in (point.at(ddp), ddp.at(point))]
@@ -301,7 +305,9 @@ def throughput(budget: Budget, best: dict, reps: int) -> tuple[list[dict], list[
         "eval_every": harness.NEVER,
         "epochs": budget.speed_epochs,
     }
-    points = {best[(layout, system)].name: best[(layout, system)] for layout in LAYOUTS for system in SPEED_SYSTEMS}
+    points = {
+        best[(layout, system)].name: best[(layout, system)] for layout in budget.layouts for system in SPEED_SYSTEMS
+    }
     runs = harness.interleave(
         {
             name: harness.seeded(point.trainer, point.ranks, {**flags, **point.flags()}, budget.timeout_s)
