@@ -11,10 +11,8 @@ device that a single small-batch learner cannot fill; SMA's learners share it on
    {0.0025, 0.005, 0.01, 0.02, 0.04} × b/16 (per learner for SMA); SMA also at k ∈ {1, 2, 4} learners per rank
    and α ∈ {0.1, 1/(k·P)} (auto: α 0.1). Points run likeliest winner first, the systems interleaved point by
    point. A run stops once it has trained longer than the fastest run of its own system in its layout so far
-   took to reach the target, since it can no longer win: DDP by `--time-limit` (checked at evaluations);
-   crossbow_mpi, which has no time limit, by an epoch cap, the epochs it could train in that time at 1.5× the
-   fastest samples/s measured so far at its layout, system, k and b, rounded up to an evaluation (no cap before
-   one is measured). No system gets fewer points.
+   took to reach the target, since it can no longer win (`--time-limit`, checked at evaluations, in both
+   DDP and crossbow_mpi). No system gets fewer points.
 2. Finalists (seeds 2 … reps + 1, fresh: a point that won on seed 1 is not measured on its lucky seed again),
    interleaved: each system's best point, and the same-setting pairs: every crossbow_mpi system's best k and α
    at DDP's best b and lr, and DDP at each crossbow_mpi system's best b and lr. Rows give the median time, its
@@ -26,8 +24,8 @@ device that a single small-batch learner cannot fill; SMA's learners share it on
 
 Duration of the full run (estimated, not measured: 2 cores, nothing else running). The grid has 135 points per
 layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run costs about 70 s with its launch (the
-old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (DDP at the first
-evaluation past it, crossbow_mpi at up to 1.5× it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
+old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (at the first
+evaluation past it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
 4–10 variants per layout × 5 seeds × ≈ 70 s ≈ 1–2 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
 ≈ 20 s ≈ 10 min. In all ≈ 7–9 h. `--quick` (mlp, synthetic data, b 16, 2 learning rates, k = 2, α 0.1,
 the 1 × 2 layout only, 1 seed) checks every phase with about 15 launches.
@@ -48,8 +46,6 @@ SPEED_SYSTEMS = ("ddp", "ssgd", "sma")
 """The systems of the throughput phase (auto's k is chosen during the run)."""
 ALPHA = 0.1
 """SMA's α besides 1/(k·P), and auto's (crossbow_mpi's default)."""
-RATE_MARGIN = 1.5
-"""How much faster than the fastest measured samples/s a crossbow_mpi run's epoch cap allows for."""
 GRID_SEEDS = 1
 """Seeds of the grid (seed 1); the finalists run on the seeds after them."""
 
@@ -60,8 +56,6 @@ class Budget(harness.Budget):
 
     grid_epochs: float
     """Epoch limit of a grid run: a point that needs more is not a contender."""
-    epoch_samples: int
-    """Training samples in an epoch of `dataset` (to turn a time limit into crossbow_mpi's epoch cap)."""
     batch_sizes: tuple[int, ...]
     """Per-rank (SMA: per-learner) batch sizes, likeliest winner first."""
     lrs_at_16: tuple[float, ...]
@@ -86,7 +80,6 @@ FULL = Budget(
     epochs=8,
     timeout_s=900,
     grid_epochs=6,
-    epoch_samples=60000,
     batch_sizes=(16, 32, 64),
     lrs_at_16=(0.01, 0.005, 0.02, 0.0025, 0.04),
     learners=(2, 1, 4),
@@ -104,7 +97,6 @@ QUICK = Budget(
     epochs=0.02,
     timeout_s=120,
     grid_epochs=0.02,
-    epoch_samples=60000,
     batch_sizes=(16,),
     lrs_at_16=(0.01, 0.02),
     learners=(2,),
@@ -193,22 +185,13 @@ class Pruner:
     def __init__(self, budget: Budget):
         self.budget = budget
         self.best_s: dict[tuple, float] = {}
-        self.samples_per_s: dict[tuple, float] = {}
 
     def limit(self, point: Point) -> dict:
         best = self.best_s.get((point.layout, point.system))
-        rate = self.samples_per_s.get((point.layout, point.system, point.k, point.b))
-        if best is None or (point.trainer == "crossbow" and rate is None):
-            return {}
-        if point.trainer == "ddp":
-            return {"time_limit": best}
-        evaluations = math.ceil(best * rate * RATE_MARGIN / self.budget.eval_every)
-        return {
-            "epochs": min(self.budget.grid_epochs, evaluations * self.budget.eval_every / self.budget.epoch_samples)
-        }
+        return {} if best is None else {"time_limit": best}
 
     def run(self, point: Point, flags: dict):
-        """Return a run for `interleave` that trains `point` within its limit and records its time and speed."""
+        """Return a run for `interleave` that trains `point` within its limit and records its time."""
 
         def run(rep: int) -> dict:
             limit = self.limit(point)
@@ -216,9 +199,6 @@ class Pruner:
             if result["tta_s"] is not None:
                 race = (point.layout, point.system)
                 self.best_s[race] = min(self.best_s.get(race, math.inf), result["tta_s"])
-            if result.get("samples_per_s"):
-                shape = (point.layout, point.system, point.k, point.b)
-                self.samples_per_s[shape] = max(self.samples_per_s.get(shape, 0.0), result["samples_per_s"])
             return {"limit": limit, **result}
 
         return run
@@ -378,7 +358,6 @@ def measure(options: harness.Options) -> harness.Report:
         settings={
             "layouts": LAYOUTS,
             "budget": asdict(budget),
-            "rate_margin": RATE_MARGIN,
             "best": {f"{layout} {system}": point.name for (layout, system), point in best.items()},
             "finalists": {name: point.flags() for name, point in final.items()},
         },

@@ -120,6 +120,9 @@ class Config:
     """Stop at the first evaluation of z that reaches this test accuracy (0 or less: never stop early)."""
     eval_every: int = 15000
     """Evaluate z every this many training samples (all ranks together); 0: once per epoch."""
+    time_limit: float = 0.0
+    """Stop at the first evaluation after this many seconds of training, as rank 0's clock reads (0: no limit); the
+    run ends as at its epoch limit, with a checkpoint and a summary that says `time_limited`."""
     inject_imbalance: str = ""
     """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
     collective_timeout: float = 300.0
@@ -264,6 +267,8 @@ class Config:
             raise ConfigError(f"--micro-batches {self.micro_batches} exceeds the --batch-size {self.batch_size}")
         if self.pipeline_stages > 1 and self.learners == "auto":
             raise ConfigError("--pipeline-stages needs a fixed number of --learners (pipelines per rank), not auto")
+        if self.time_limit < 0:
+            raise ConfigError(f"--time-limit must be 0 (no limit) or positive seconds, got {self.time_limit}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.fused_step and self.algorithm != "sma":

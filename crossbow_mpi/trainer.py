@@ -190,8 +190,8 @@ class Trainer:
     def _loop(self, run: Run, c: Components) -> FitResult:
         """Train until the epoch limit, the target accuracy or a stop signal; evaluate and checkpoint at the end."""
         cfg, state, clock = self.config, run.state, Clock()
-        lr, record, stop = c.schedule.current_lr(run), None, False
-        while run.epoch_progress < cfg.epochs and state.time_to_accuracy_s is None:
+        lr, record, stop, time_limited = c.schedule.current_lr(run), None, False, False
+        while run.epoch_progress < cfg.epochs and state.time_to_accuracy_s is None and not time_limited:
             if not run.step_fits():
                 state.next_epoch()
                 continue
@@ -213,6 +213,8 @@ class Trainer:
                 c.divergence.check()
             if evaluate:
                 record = c.evaluation(run, lr, clock.elapsed(state))
+                if cfg.time_limit:
+                    time_limited = self.topology.world.bcast_json(clock.elapsed(state) >= cfg.time_limit)
             if save:
                 c.checkpoints.save(run, clock.elapsed(state))
             if stop:
@@ -228,8 +230,10 @@ class Trainer:
         if state.last_eval != state.iteration or record is None:
             record = c.evaluation(run, lr, clock.elapsed(state))
         c.checkpoints.save(run, clock.elapsed(state))
-        summary = self._summary(run, record, clock.elapsed(state))
+        summary = {**self._summary(run, record, clock.elapsed(state)), "time_limited": time_limited}
         c.metrics.write(summary)
+        if time_limited:
+            c.progress.note(f"stopped at the time limit ({cfg.time_limit:g}s) at iteration {state.iteration}")
         if optimizes(cfg):
             c.progress.note(
                 f"optimizer: {summary['optimizer_s']:.1f}s of {summary['time_s']:.1f}s "

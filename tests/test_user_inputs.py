@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from test_eager import metrics_records
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 from torch.utils.data import Dataset
@@ -84,6 +85,7 @@ def test_toml_values_of_the_wrong_type_are_refused(tmp_path, text, message):
         (["--lr", "nan"], "--lr must be a finite number"),
         (["--seed", "9223372036854775808"], "--seed must be below 2\\*\\*32"),
         (["--resume", "5"], "--resume: invalid value '5'"),
+        (["--time-limit", "-1"], "--time-limit must be 0 \\(no limit\\) or positive seconds, got -1"),
     ],
 )
 def test_flags_out_of_range_are_config_errors(argv, message):
@@ -184,6 +186,20 @@ def test_output_fn_picks_the_class_scores_for_evaluation(comm, shared_tmp):
     inputs, targets = test.get_batch(torch.arange(len(test)))
     with torch.no_grad():
         assert result.test_accuracy == pytest.approx(float((model(inputs)[0].argmax(1) == targets).float().mean()))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_time_limit_ends_the_run_at_the_first_evaluation_past_it_with_a_checkpoint(comm, shared_tmp):
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    test = synthetic_dataset((1, 6, 6), 10, 60, seed=1)
+    config = small_config(shared_tmp, epochs=4, eval_every=32 * comm.size, time_limit=1e-9)
+    result = Trainer(config, comm).fit(mlp, train, test)
+    records = metrics_records(comm, shared_tmp)
+    evaluations = [record for record in records if "test_accuracy" in record]
+    summary = records[-1]
+    assert len(evaluations) == 1 and summary["time_limited"] and not summary["reached"]
+    assert summary["iterations"] == evaluations[0]["iteration"] == result.iterations == 4  # 32 samples a rank
+    assert (shared_tmp / "checkpoint-000000004.h5").exists()
 
 
 @pytest.mark.mpi(min_size=1)
