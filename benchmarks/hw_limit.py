@@ -1,13 +1,19 @@
-"""Hardware limit: achieved training FLOP/s as a fraction of a large float32 matmul's FLOP/s, same cores, same run.
+"""Hardware limit: achieved training FLOP/s as a fraction of a large float32 matmul's FLOP/s, same cores, same run,
+and what moves it: compiled learners, ranks pinned to cores, channels-last and oneDNN.
 
-On 2 ranks × 1 thread, crossbow_mpi trains LeNet on MNIST (S-SGD at batch 64 and SMA with 2 learners at batch 16);
-training FLOPs per sample are counted with torch.utils.flop_counter.FlopCounterMode over one forward and backward
-pass, and multiplied by the measured samples/s of all ranks. The peak is every rank multiplying two n×n float32
-matrices at once, summed over ranks; matmul rounds alternate with the training runs.
+On 2 ranks × 1 thread, crossbow_mpi trains LeNet on MNIST and ResNet-32 on synthetic CIFAR: S-SGD at batch 64
+(as is, with `--compile`, and with each rank pinned to its own core) and SMA with 2 learners at batch 16. A bare
+PyTorch loop (SGD with momentum, batch 64) on each rank at once tries what crossbow_mpi's flat buffers do not
+offer: channels-last tensors, and oneDNN (mkldnn) switched off to see what it gives. Training FLOPs per sample are
+counted with torch.utils.flop_counter.FlopCounterMode over one forward and backward pass and multiplied by the
+measured samples/s of all ranks; crossbow_mpi's samples/s are its last evaluation window's, the second half of
+the run, so that a compile in the first step is not counted. The peak is every rank multiplying two n×n float32
+matrices at once, summed over ranks; every variant alternates with the others run by run.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -15,27 +21,55 @@ from benchmarks import harness
 
 RANKS = 2
 TEST_SAMPLES = 1000
+BARE_BATCH = 64
+MODELS = {"lenet": "mnist", "resnet32": "synthetic-cifar"}
+"""Each model and the dataset it trains on."""
 CONFIGS = {
     "ssgd k=1 b=64": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
+    "ssgd k=1 b=64 compiled": {"algorithm": "ssgd", "learners": 1, "batch_size": 64, "compile": True},
+    "ssgd k=1 b=64 pinned": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
     "sma k=2 b=16": {"algorithm": "sma", "learners": 2, "batch_size": 16},
 }
+"""crossbow_mpi's runs; `pinned` binds each rank to its own core for the run."""
+BARE = ("bare b=64", "bare b=64 channels-last", "bare b=64 no oneDNN")
 
 
 @dataclass
 class Budget:
     """How much a mode trains and multiplies."""
 
-    samples: int
-    """Training samples of one run (all ranks)."""
+    samples: dict[str, int]
+    """Training samples of one run (all ranks) per model."""
+    bare_steps: dict[str, int]
+    """Steps of one bare-loop run per model (each rank)."""
+    models: tuple[str, ...]
+    configs: tuple[str, ...]
+    """crossbow_mpi's runs (of `CONFIGS`)."""
     matmul_n: int
     matmul_calls: int
     timeout_s: float
 
 
-FULL = Budget(samples=24000, matmul_n=2048, matmul_calls=5, timeout_s=600)
-QUICK = Budget(samples=640, matmul_n=256, matmul_calls=2, timeout_s=120)
+FULL = Budget(
+    samples={"lenet": 24000, "resnet32": 1600},
+    bare_steps={"lenet": 100, "resnet32": 8},
+    models=tuple(MODELS),
+    configs=tuple(CONFIGS),
+    matmul_n=2048,
+    matmul_calls=5,
+    timeout_s=1200,
+)
+QUICK = Budget(
+    samples={"lenet": 640},
+    bare_steps={"lenet": 4},
+    models=("lenet",),
+    configs=("ssgd k=1 b=64", "ssgd k=1 b=64 pinned", "sma k=2 b=16"),
+    matmul_n=256,
+    matmul_calls=2,
+    timeout_s=140,
+)
 
-COLUMNS = ["config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"]
+COLUMNS = ["model", "config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"]
 
 
 def flops_per_sample(model_fn, train_set, batch: int) -> float:
@@ -50,54 +84,117 @@ def flops_per_sample(model_fn, train_set, batch: int) -> float:
     return counter.get_total_flops() / batch
 
 
+def bare_samples_per_s(model_fn, train_set, steps: int, variant: str) -> float:
+    """Train the model with plain PyTorch for `steps` batches (the first one untimed); return samples/s."""
+    import torch
+    import torch.nn.functional as F
+
+    model = model_fn()
+    inputs, targets = train_set.get_batch(torch.arange(BARE_BATCH))
+    if variant.endswith("channels-last"):
+        model, inputs = (
+            model.to(memory_format=torch.channels_last),
+            inputs.contiguous(memory_format=torch.channels_last),
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with torch.backends.mkldnn.flags(enabled=not variant.endswith("no oneDNN")):
+        for step in range(steps + 1):
+            if step == 1:
+                started = time.perf_counter()
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    return steps * BARE_BATCH / (time.perf_counter() - started)
+
+
 def worker(settings: dict) -> dict:
-    """Alternate matmul rounds with training runs of every config; return every run and the FLOPs per sample."""
+    """Alternate matmul rounds with every model's variants; return every run and the FLOPs per sample."""
     import numpy as np
     import torch
 
     from crossbow_mpi import Config, runtime
+    from crossbow_mpi.data import ArrayDataset, build_dataset
     from crossbow_mpi.models import build_model
 
     MPI = runtime.mpi()
     world = MPI.COMM_WORLD
     torch.set_num_threads(1)
-    train_set, test_set = harness.mnist(TEST_SAMPLES)
-
-    def model_fn():
-        return build_model("lenet", train_set.input_shape, train_set.num_classes)
-
     n = settings["matmul_n"]
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm up
+
+    def all_ranks(rate: float) -> float:
+        total = np.array([rate])
+        world.Allreduce(MPI.IN_PLACE, total)
+        return float(total[0])
 
     def matmul(rep: int) -> dict:
         world.Barrier()
         started = time.perf_counter()
         for _ in range(settings["matmul_calls"]):
             a @ b
-        rate = np.array([2 * n**3 * settings["matmul_calls"] / (time.perf_counter() - started)])
-        world.Allreduce(MPI.IN_PLACE, rate)
-        return {"flops_per_s": float(rate[0])}
+        return {"flops_per_s": all_ranks(2 * n**3 * settings["matmul_calls"] / (time.perf_counter() - started))}
 
-    def training(config: dict):
-        def run(rep: int) -> dict:
-            epochs = settings["samples"] / len(train_set)
-            cfg = Config(
-                **config, lr=0.01, epochs=epochs, target_accuracy=0, eval_every=harness.NEVER, threads=1, seed=rep + 1
-            )
-            return {"samples_per_s": harness.crossbow_samples_per_s(cfg, model_fn, train_set, test_set)}
+    variants, flops = {"matmul": matmul}, {}
+    for model in settings["models"]:
+        train_set, test = build_dataset(MODELS[model], str(harness.REPO / "datasets" / "mnist"), seed=1)
+        test_set = ArrayDataset(
+            test.inputs[:TEST_SAMPLES], test.targets[:TEST_SAMPLES], test.num_classes, test.mean, test.std
+        )
 
-        return run
+        def model_fn(model=model, train_set=train_set):
+            return build_model(model, train_set.input_shape, train_set.num_classes)
 
-    runs = harness.interleave(
-        {"matmul": matmul, **{name: training(config) for name, config in CONFIGS.items()}}, settings["reps"], quiet=True
-    )
-    return {
-        "runs": runs,
-        "flops_per_sample": {
-            name: flops_per_sample(model_fn, train_set, config["batch_size"]) for name, config in CONFIGS.items()
-        },
-    }
+        def training(
+            config: dict, pinned: bool, model_fn=model_fn, train_set=train_set, test_set=test_set, model=model
+        ):
+            samples = settings["samples"][model]
+
+            def run(rep: int) -> dict:
+                cpus = os.sched_getaffinity(0)
+                if pinned:
+                    os.sched_setaffinity(0, {sorted(cpus)[world.Get_rank() % len(cpus)]})
+                cfg = Config(
+                    **config,
+                    lr=0.01,
+                    epochs=samples / len(train_set),
+                    target_accuracy=0,
+                    eval_every=samples // 2,
+                    threads=1,
+                    seed=rep + 1,
+                )
+                try:
+                    return {"samples_per_s": harness.crossbow_samples_per_s(cfg, model_fn, train_set, test_set)}
+                finally:
+                    os.sched_setaffinity(0, cpus)
+
+            return run
+
+        def bare(variant: str, model_fn=model_fn, train_set=train_set, model=model):
+            def run(rep: int) -> dict:
+                world.Barrier()
+                return {
+                    "samples_per_s": all_ranks(
+                        bare_samples_per_s(model_fn, train_set, settings["bare_steps"][model], variant)
+                    )
+                }
+
+            return run
+
+        variants |= {
+            f"{model} {name}": training(CONFIGS[name], pinned=name.endswith("pinned")) for name in settings["configs"]
+        }
+        variants |= {f"{model} {name}": bare(name) for name in BARE}
+        flops[model] = {
+            batch: flops_per_sample(model_fn, train_set, batch)
+            for batch in {BARE_BATCH, CONFIGS["sma k=2 b=16"]["batch_size"]}
+        }
+    runs = harness.interleave(variants, settings["reps"], quiet=True)
+    return {"runs": runs, "flops_per_sample": flops}
+
+
+def batch_size(config: str) -> int:
+    return CONFIGS[config]["batch_size"] if config in CONFIGS else BARE_BATCH
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -106,22 +203,25 @@ def measure(options: harness.Options) -> harness.Report:
     runs = measured["runs"]
     peak = harness.median(harness.column(runs, "matmul", "flops_per_s"))
     rows = []
-    for name in CONFIGS:
-        flops = measured["flops_per_sample"][name]
-        rate = harness.median(harness.column(runs, name, "samples_per_s"))
-        rows.append(
-            {
-                "config": name,
-                "flops_per_sample": flops,
-                "samples_per_s": rate,
-                "achieved_gflops": flops * rate / 1e9,
-                "matmul_gflops": peak / 1e9,
-                "fraction": harness.ratio(flops * rate, peak),
-            }
-        )
+    for model in budget.models:
+        for config in (*budget.configs, *BARE):
+            flops = measured["flops_per_sample"][model][str(batch_size(config))]
+            rate = harness.median(harness.column(runs, f"{model} {config}", "samples_per_s"))
+            rows.append(
+                {
+                    "model": model,
+                    "config": config,
+                    "flops_per_sample": flops,
+                    "samples_per_s": rate,
+                    "achieved_gflops": flops * rate / 1e9,
+                    "matmul_gflops": peak / 1e9,
+                    "fraction": harness.ratio(flops * rate, peak),
+                }
+            )
     return harness.Report(
         question=f"Training FLOP/s (FlopCounterMode forward+backward × samples/s) over a {budget.matmul_n}² float32 "
-        f"matmul's FLOP/s, LeNet on MNIST, {RANKS} ranks × 1 thread (medians)",
+        f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled and pinned, and a "
+        "bare loop with channels-last and without oneDNN",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
