@@ -25,7 +25,15 @@ COLUMNS = {
         "peer_ratio",
     },
     "overhead": {"threads", "b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"},
-    "hw_limit": {"model", "config", "flops_per_sample", "samples_per_s", "achieved_gflops", "matmul_gflops", "fraction"},
+    "hw_limit": {
+        "model",
+        "config",
+        "flops_per_sample",
+        "samples_per_s",
+        "achieved_gflops",
+        "matmul_gflops",
+        "fraction",
+    },
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
