@@ -69,11 +69,7 @@ def with_lr(flags: dict, lr: float) -> dict:
 def common_flags(budget: Budget) -> dict:
     """Return the training flags every variant shares: one learner and one thread per rank."""
     return {
-        "model": budget.model,
-        "dataset": budget.dataset,
-        "target_accuracy": budget.target_accuracy,
-        "eval_every": budget.eval_every,
-        "epochs": budget.epochs,
+        **budget.flags(),
         "batch_size": budget.batch_size,
         "lr": budget.lr,
         "learners": 1,

@@ -89,14 +89,7 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    common = {
-        "model": budget.model,
-        "dataset": budget.dataset,
-        "target_accuracy": budget.target_accuracy,
-        "eval_every": budget.eval_every,
-        "epochs": budget.epochs,
-        "threads": 1,
-    }
+    common = {**budget.flags(), "threads": 1}
     configs = {
         f"{name} aggregate={aggregate}": config
         for aggregate in budget.aggregates
