@@ -105,11 +105,8 @@ class LearnerEngine:
         torch.set_num_threads(self.learner_threads(learners.k))
         module = learners.modules[j]
         module.train()
-        learners.grads[j].zero_()
         loss = self.forward_backward(module, batch)
-        if j not in learners.checked:
-            assert learners.layout.grads_are_bound(module, learners.grads[j]), "autograd replaced a flat gradient view"
-            learners.checked.add(j)
+        learners.take_gradients(j)
         return loss
 
     def forward_backward(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:

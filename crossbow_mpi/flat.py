@@ -82,14 +82,13 @@ class FlatLayout:
             [getattr(modules[s.module], s.name).detach().reshape(-1) for s in self.param_slots + self.buffer_slots]
         )
 
-    def bind(self, model: nn.Module, state: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        """Make the model's trainable parameters (and gradients) and float buffers views of `state` (and `grad`)."""
-        assert state.shape == (self.num_state,) and (grad is None or grad.shape == (self.num_params,))
+    def bind(self, model: nn.Module, state: torch.Tensor) -> None:
+        """Make the model's trainable parameters and float buffers views of `state`; drop its gradients."""
+        assert state.shape == (self.num_state,)
+        for param, view in zip(self.trainable(model), self.param_views(state)):
+            param.data = view  # one Parameter object, however many modules hold it
+            param.grad = None
         modules = dict(model.named_modules())
-        for s in self.param_slots:
-            param = getattr(modules[s.module], s.name)  # one Parameter object, however many modules hold it
-            param.data = state[s.offset : s.offset + s.numel].view(s.shape)
-            param.grad = None if grad is None else grad[s.offset : s.offset + s.numel].view(s.shape)
         holders = _buffer_holders(model)
         for s in self.buffer_slots:
             view = state[s.offset : s.offset + s.numel].view(s.shape)
@@ -107,14 +106,14 @@ class FlatLayout:
         self.load_extra_state_bytes(model, extra)
         return model
 
-    def grads_are_bound(self, model: nn.Module, grad: torch.Tensor) -> bool:
-        """Tell whether every gradient of the model still lives in `grad` (autograd did not replace it)."""
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        """Return the model's trainable parameters in slot order."""
         modules = dict(model.named_modules())
-        for s in self.param_slots:
-            g = getattr(modules[s.module], s.name).grad
-            if g is None or g.data_ptr() != grad[s.offset :].data_ptr():
-                return False
-        return True
+        return [getattr(modules[s.module], s.name) for s in self.param_slots]
+
+    def param_views(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """Return each trainable parameter's slot of a state or gradient vector, shaped as the parameter."""
+        return [vector[s.offset : s.offset + s.numel].view(s.shape) for s in self.param_slots]
 
     def extra_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Return the model's frozen parameters and non-float buffers by name (the module's own tensors)."""
@@ -152,6 +151,24 @@ class FlatLayout:
         sync, even when a module replaces its buffer by a new tensor."""
         modules = dict(model.named_modules())
         return [(modules[owner], name) for owner, _, name in (path.rpartition(".") for path in self.non_float_buffers)]
+
+
+def take_gradients(params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Move the parameters' gradients into their views, zeros where a parameter has none, and drop them: one copy
+    of gradients that autograd wrote fresh, where zeroing bound views and letting autograd add into them makes
+    three passes (measured on LeNet, b = 16: 250 µs of a 7 ms step)."""
+    fresh, targets, untouched = [], [], []
+    for param, view in zip(params, views):
+        if param.grad is None:
+            untouched.append(view)
+        else:
+            fresh.append(param.grad)
+            targets.append(view)
+            param.grad = None
+    if targets:
+        torch._foreach_copy_(targets, fresh)
+    if untouched:
+        torch._foreach_zero_(untouched)
 
 
 def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

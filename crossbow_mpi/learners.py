@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.flat import FlatLayout
+from crossbow_mpi.flat import FlatLayout, take_gradients
 
 
 class CentralModel:
@@ -62,7 +62,10 @@ class CentralModel:
 
 
 class Learners:
-    """k replicas; row j of `weights`, `grads` and `momentum` belongs to learner j."""
+    """k replicas; row j of `weights`, `grads` and `momentum` belongs to learner j.
+
+    A learner's parameters are views of its row of `weights`; its gradients are not bound: autograd writes them
+    fresh and `take_gradients` moves them into its row of `grads` after its backward passes."""
 
     def __init__(self, model_fn: Callable[[], nn.Module], layout: FlatLayout, central: CentralModel, k: int):
         self.model_fn = model_fn
@@ -102,9 +105,14 @@ class Learners:
             self.modules.append(module)
         del self.modules[k:]
         for j, module in enumerate(self.modules):
-            self.layout.bind(module, self.weights[j], self.grads[j])
+            self.layout.bind(module, self.weights[j])
+        self.trainable = [self.layout.trainable(m) for m in self.modules]
+        self.grad_views = [self.layout.param_views(row) for row in self.grads]
         self.buffer_refs = [self.layout.buffer_refs(m) for m in (*self.modules, self.central.module)]
-        self.checked: set[int] = set()  # learners whose gradients were seen to land in their rows of `grads`
+
+    def take_gradients(self, j: int) -> None:
+        """Move the gradients that learner j's backward passes left on its parameters into row j of `grads`."""
+        take_gradients(self.trainable[j], self.grad_views[j])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"weights": self.weights.clone(), "momentum": self.momentum.clone()}

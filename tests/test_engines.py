@@ -13,6 +13,7 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
+from crossbow_mpi.engines import ENGINES
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
@@ -163,3 +164,37 @@ def test_the_threads_engine_runs_a_lone_learner_on_the_calling_thread(comm, shar
     run.train_step(0.05)
     assert run.engine.workers == 2
     run.engine.close()
+
+
+class TiedAndUnused(nn.Module):
+    """A model with a tied weight (one slot, used twice) and a trainable parameter the loss never reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 6, bias=False)
+        self.head = nn.Linear(6, 3)
+        self.unused = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embed(torch.tanh(self.embed(x)))))
+
+
+def test_learners_take_fresh_gradients_into_their_rows_and_keep_none():
+    torch.manual_seed(0)
+    model = TiedAndUnused()
+    layout = FlatLayout(model)
+    learners = Learners(TiedAndUnused, layout, CentralModel(model, layout), 2)
+    learners.grads.fill_(float("nan"))  # whatever a row held before is overwritten
+    engine = ENGINES["threads"](nn.functional.cross_entropy, threads=2)
+    batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2)]
+    engine.compute_gradients(learners, batches)
+    engine.close()
+    for j, (inputs, targets) in enumerate(batches):
+        twin = TiedAndUnused()
+        layout.load(twin, learners.weights[j], layout.extra_state_bytes(model))
+        nn.functional.cross_entropy(twin(inputs), targets).backward()
+        expected = [torch.zeros_like(p) if p.grad is None else p.grad for p in layout.trainable(twin)]
+        assert torch.equal(learners.grads[j], torch.cat([g.reshape(-1) for g in expected]))
+        assert all(p.grad is None for p in learners.modules[j].parameters()), "a learner kept autograd's gradients"
+    unused = next(s for s in layout.param_slots if s.name == "unused")
+    assert not learners.grads[:, unused.offset : unused.offset + unused.numel].any(), "the unused slot is not zero"
