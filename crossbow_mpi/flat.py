@@ -1,8 +1,10 @@
-"""Flat buffers: a model's parameters, gradients and float buffers as views into contiguous tensors.
+"""Flat buffers: a model's parameters and float buffers as views into contiguous tensors, its gradients copied
+into one.
 
 A model's *state* vector is its trainable parameters followed by its floating-point buffers (BatchNorm running
-statistics); its *gradient* vector covers the trainable parameters only. Binding a module to rows of such tensors
-makes every parameter, gradient and buffer a view, so a correction, a reduction over learners or an
+statistics); its *gradient* vector covers the trainable parameters only. Binding a module to a row of a state
+matrix makes every parameter and buffer a view; after a backward pass `take_gradients` moves the gradients that
+autograd wrote into the module's row of a gradient matrix. So a correction, a reduction over learners or an
 allreduce is one vector operation and one message.
 
 A parameter or buffer that several modules hold (tied weights) has one slot, under the first name that
