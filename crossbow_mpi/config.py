@@ -18,6 +18,8 @@ PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
+FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
+"""The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
 
 
@@ -144,8 +146,9 @@ class Config:
     """torch.compile each learner's forward and backward pass (needs a C++ compiler); the first step compiles,
     and its seconds are the summary's `compile_s`."""
     fused_step: bool = False
-    """SMA: run the learners' update, correction and staging as one pass over memory (torch.compile's code on a
-    CPU with a C++ compiler, a CuPy kernel on CUDA); within rounding of the default step, not bit-identical."""
+    """SMA and S-SGD (and auto, when it trains with one of them): run the step's update as one fused pass over
+    memory (torch.compile's code on a CPU with a C++ compiler, a CuPy kernel on CUDA), with the default step's
+    bits; the first step compiles it."""
     threads: int | tuple[int, ...] = 0
     """Intra-op threads per rank, one value or one per rank; 0: the CPUs the rank is bound to, shared with the
     node's ranks bound to them."""
@@ -271,8 +274,8 @@ class Config:
             raise ConfigError(f"--time-limit must be 0 (no limit) or positive seconds, got {self.time_limit}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if self.fused_step and self.algorithm != "sma":
-            raise ConfigError(f"--fused-step applies to --algorithm sma only, not {self.algorithm}")
+        if self.fused_step and self.algorithm not in FUSED_ALGORITHMS:
+            raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
         if self.compile and self.pipeline_stages > 1:
             raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
         if not 0 < self.alpha <= 1:

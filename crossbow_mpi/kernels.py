@@ -1,12 +1,22 @@
-"""Fused and compiled kernels: SMA's learner step in one pass over memory, and the C++ compiler that torch.compile
-needs on a CPU.
+"""Fused kernels: SMA's learner step and S-SGD's central step each in one pass over memory, with the bits of the
+in-place sequences they replace; and the C++ compiler that torch.compile needs on a CPU.
 
-The fused SMA step computes, per element of a learner's row (g is read, not written back: the next backward
-pass zeroes it),
-    v ← μ v − η (g + λ w);  c = α (w − z);  w ← w + v − c
+A fused step rounds exactly where its in-place sequence does. PyTorch computes `a.add_(b, alpha=s)` as one
+multiply-add, fma(b, s, a); every other product, sum and quotient is rounded on its own. So, per element:
+
+SMA, each learner's row (g is read, not written back: the next backward pass replaces it)
+    g' = fma(w, λ, g);  v ← fma(g', −η, μ v);  c = α (w − z);  w ← (w + v) − c
 reading w, v, g (and z once per column) and writing w, v and c: six passes over k·n floats where the in-place
-sequence makes eighteen. Its roundings differ from the in-place sequence's (which fuses η·g into a
-multiply-add), so it is an option, not the default.
+sequence makes eighteen.
+
+S-SGD, z and its momentum u, with the summed gradient g of n learners' weight
+    u ← μ u + fma(z, λ, g / n);  z ← fma(u, −η, z)
+reading g, z, u and writing z, u: five passes where the in-place sequence makes twelve.
+
+On a CPU the steps are torch.compile's C++ code (its `fma` is a multiply-add instruction); on CUDA they are CuPy
+kernels whose products, sums and quotients are the round-to-nearest intrinsics, so that the compiler cannot
+contract them into multiply-adds the in-place kernels do not make. Where neither is available (a CPU without a
+C++ compiler, CUDA without CuPy) the algorithms keep their in-place sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from crossbow_mpi.config import ConfigError
 
 SmaUpdate = Callable[..., None]
 """update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha): one fused SMA learner step, in place."""
+SsgdUpdate = Callable[..., None]
+"""update(g, carried, z, u, lr, weight_decay, momentum): one fused S-SGD step of z and u, in place."""
 
 
 def cxx_compiler() -> str | None:
@@ -37,60 +49,114 @@ def require_compiler(flag: str) -> None:
 
 def _sma_update(w, v, g, z, corrections, hp) -> None:
     lr, weight_decay, momentum, alpha = hp[0], hp[1], hp[2], hp[3]
-    v_new = v * momentum - (g + w * weight_decay) * lr
+    v_new = torch.ops.prims.fma(torch.ops.prims.fma(w, weight_decay, g), -lr, v * momentum)
     c = (w - z) * alpha
     v.copy_(v_new)
     corrections.copy_(c)
-    w.copy_(w + v_new - c)
+    w.copy_((w + v_new) - c)
+
+
+def _ssgd_update(g, carried, z, u, hp) -> None:
+    lr, weight_decay, momentum = hp[0], hp[1], hp[2]
+    u_new = u * momentum + torch.ops.prims.fma(z, weight_decay, g / carried)
+    u.copy_(u_new)
+    z.copy_(torch.ops.prims.fma(u_new, -lr, z))
 
 
 @functools.cache
-def _compiled_update():
-    return torch.compile(_sma_update, dynamic=True)  # one kernel for every model and k
+def _compiled(update: Callable) -> Callable:
+    from torch._inductor import inductor_prims  # noqa: F401  (registers prims.fma; 2 s to import, so only here)
+
+    return torch.compile(update, dynamic=True)  # one kernel for every model and k
+
+
+def _numbers(like: torch.Tensor, *values: float) -> torch.Tensor:
+    """The step's numbers as a tensor: as Python numbers, every new learning rate would compile the step again."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
 def compiled_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) -> None:
-    """Run the fused step as torch.compile's code (C++ on a CPU, Triton on CUDA); compiled at the first call."""
-    # the numbers go in a tensor: as Python numbers, every new learning rate would compile the step again
-    hp = torch.tensor([lr, weight_decay, momentum, alpha], dtype=w.dtype, device=w.device)
-    _compiled_update()(w, v, g, z, corrections, hp)
+    """Run the fused SMA step as torch.compile's code; compiled at the first call."""
+    _compiled(_sma_update)(w, v, g, z, corrections, _numbers(w, lr, weight_decay, momentum, alpha))
 
+
+def compiled_ssgd_update(g, carried, z, u, lr, weight_decay, momentum) -> None:
+    """Run the fused S-SGD step as torch.compile's code; compiled at the first call."""
+    _compiled(_ssgd_update)(g, carried, z, u, _numbers(z, lr, weight_decay, momentum))
+
+
+CUPY_ROUNDED = r"""
+__device__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+"""
+"""Round-to-nearest arithmetic that nvcc does not contract into multiply-adds (the kernels' preamble)."""
 
 CUPY_SMA_UPDATE = (
     "T g, T z, T lr, T weight_decay, T momentum, T alpha",
     "T w, T v, T c",
-    "v = momentum * v - lr * (g + weight_decay * w); c = alpha * (w - z); w = w + v - c;",
+    "T v_new = fma(fma(w, weight_decay, g), -lr, mul_rn(v, momentum));"
+    " T c_new = mul_rn(sub_rn(w, z), alpha);"
+    " w = sub_rn(add_rn(w, v_new), c_new); v = v_new; c = c_new;",
     "crossbow_sma_update",
 )
-"""The fused step as a CuPy ElementwiseKernel (inputs, outputs, body, name); z broadcasts over the rows."""
+"""The fused SMA step as a CuPy ElementwiseKernel (inputs, outputs, body, name); z broadcasts over the rows."""
+
+CUPY_SSGD_UPDATE = (
+    "T g, raw T carried, T lr, T weight_decay, T momentum",
+    "T z, T u",
+    "T u_new = add_rn(mul_rn(u, momentum), fma(z, weight_decay, div_rn(g, carried[0])));"
+    " u = u_new; z = fma(u_new, -lr, z);",
+    "crossbow_ssgd_update",
+)
+"""The fused S-SGD step as a CuPy ElementwiseKernel; `carried` is the one-element summed weight."""
 
 
 @functools.cache
-def _cupy_kernel():
+def _cupy_kernel(spec: tuple[str, str, str, str]):
     import cupy
 
-    return cupy.ElementwiseKernel(*CUPY_SMA_UPDATE)
+    return cupy.ElementwiseKernel(*spec, preamble=CUPY_ROUNDED)
+
+
+def _run_cupy(spec, like: torch.Tensor, inputs: tuple, numbers: tuple[float, ...], outputs: tuple) -> None:
+    """Run a CuPy kernel on torch's current stream: tensors in, the numbers as scalars of `like`'s dtype, outputs
+    written in place."""
+    import cupy
+
+    device, stream = like.device, torch.cuda.current_stream(like.device).cuda_stream
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream):
+        scalar = cupy.asarray(like).dtype.type
+        _cupy_kernel(spec)(*map(cupy.asarray, inputs), *map(scalar, numbers), *map(cupy.asarray, outputs))
 
 
 def cupy_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) -> None:
-    """Run the fused step as one CuPy kernel on torch's current stream."""
-    import cupy
-
-    kernel = _cupy_kernel()
-    with cupy.cuda.Device(w.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(w.device).cuda_stream):
-        w_, v_, c_ = (cupy.asarray(t) for t in (w, v, corrections))
-        scalar = w_.dtype.type
-        kernel(cupy.asarray(g), cupy.asarray(z), *map(scalar, (lr, weight_decay, momentum, alpha)), w_, v_, c_)
+    """Run the fused SMA step as one CuPy kernel on torch's current stream."""
+    _run_cupy(CUPY_SMA_UPDATE, w, (g, z), (lr, weight_decay, momentum, alpha), (w, v, corrections))
 
 
-def build_sma_update(device: torch.device) -> SmaUpdate | None:
-    """Return the fused SMA step for the device: a CuPy kernel on CUDA (torch.compile's Triton code without CuPy),
-    torch.compile's C++ code on a CPU with a C++ compiler; None on a CPU without one, where eager in-place ops
-    cannot do better than the step's own sequence."""
+def cupy_ssgd_update(g, carried, z, u, lr, weight_decay, momentum) -> None:
+    """Run the fused S-SGD step as one CuPy kernel on torch's current stream."""
+    _run_cupy(CUPY_SSGD_UPDATE, z, (g, carried), (lr, weight_decay, momentum), (z, u))
+
+
+FUSED = {"sma": (compiled_sma_update, cupy_sma_update), "ssgd": (compiled_ssgd_update, cupy_ssgd_update)}
+"""Each algorithm's fused step: (torch.compile's, CuPy's)."""
+
+
+def build_fused_step(algorithm: str, device: torch.device) -> Callable[..., None] | None:
+    """Return the algorithm's fused step for the device: torch.compile's C++ code on a CPU with a C++ compiler, a
+    CuPy kernel on CUDA; None where neither is available, so that the in-place sequence runs."""
+    compiled, cupy_update = FUSED[algorithm]
     if device.type == "cuda":
         try:
             import cupy  # noqa: F401
         except ImportError:
-            return compiled_sma_update
-        return cupy_sma_update
-    return compiled_sma_update if cxx_compiler() is not None else None
+            return None
+        return cupy_update
+    return compiled if cxx_compiler() is not None else None

@@ -7,7 +7,8 @@ Sync, every iteration:
 At a learning-rate drop every learner is reset to z.
 
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
-`--fused-step` the learners' update, correction and staging run as one fused kernel (crossbow_mpi.kernels).
+`--fused-step` the learners' update, correction and staging run as one fused kernel with the same bits
+(crossbow_mpi.kernels).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class SynchronousModelAveraging(Algorithm):
     name = "sma"
     overlaps_sync = True
     fused_update: SmaUpdate | None = None
-    """The fused learner step (`--fused-step`), or None for the in-place sequence (the default's bits)."""
+    """The fused learner step (`--fused-step`), or None for the in-place sequence (the same bits)."""
 
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners, z = self.hp, self.learners, self.central.params

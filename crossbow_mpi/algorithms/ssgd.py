@@ -3,6 +3,8 @@
 g = Σ_ranks Σ_j ω_r ∇ℓ(w_j) / Σ_ranks Σ_j ω_r    (w_j = z for every learner; ω_r = b_r / max_q b_q, so that g is
                                                   the mean over every sample of the step; all 1 for equal batches)
 d = g + λ z;  u ← μ u + d;  z ← z − η u
+
+With `--fused-step` the update of u and z runs as one fused kernel with the same bits (crossbow_mpi.kernels).
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.kernels import SsgdUpdate
 
 
 class SynchronousSGD(Algorithm):
     name = "ssgd"
     weighs_by_samples = True
+    fused_update: SsgdUpdate | None = None
+    """The fused step of u and z (`--fused-step`), or None for the in-place sequence (the same bits)."""
 
     def local_step(self, rows: slice, lr: float) -> None:
         torch.mul(self.learners.grads[rows], self.weight, out=self.staged_rows(rows))
@@ -22,10 +27,15 @@ class SynchronousSGD(Algorithm):
     def sync(self, lr: float) -> None:
         hp, central = self.hp, self.central
         g, carried = self.allreduce_staged()
-        g.div_(self.gradient_divisor(carried))
-        g.add_(central.params, alpha=hp.weight_decay)
-        central.u.mul_(hp.momentum).add_(g)
-        central.params.sub_(central.u, alpha=lr)
+        divisor = self.gradient_divisor(carried)
+        if self.fused_update is not None:
+            assert divisor is carried, "the fused step divides by the summed weight that the allreduce carried"
+            self.fused_update(g, carried, central.params, central.u, lr, hp.weight_decay, hp.momentum)
+        else:
+            g.div_(divisor)
+            g.add_(central.params, alpha=hp.weight_decay)
+            central.u.mul_(hp.momentum).add_(g)
+            central.params.sub_(central.u, alpha=lr)
         self.learners.reset_to(central.z)
 
     def gradient_divisor(self, carried: torch.Tensor) -> torch.Tensor | int:
