@@ -3,9 +3,11 @@
     python -m benchmarks.gpu_selftest [--out DIR]        (launch/gpu_selftest.sh runs it)
 
 Needs torch, CuPy, mpi4py with an MPI library and its mpirun, h5py, numpy, pytest and pytest-mpi, and what the
-repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test) and `mpirun -n 2` with both
-ranks on the first GPU (the shared-GPU test; with `--device mixed`, one rank on the GPU and one on the CPU), then
-measures in this process, a singleton MPI rank. Writes
+repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test and the NCCL stage link's)
+and `mpirun -n 2` with both ranks on the first GPU (the shared-GPU test; with `--device mixed`, one rank on the
+GPU and one on the CPU), and where two GPUs are visible the NCCL stage link's test under `mpirun -n 2` with a GPU
+per rank (NCCL cannot put two ranks on one GPU, so one GPU leaves it out); then measures in this process, a
+singleton MPI rank. Writes
 gpu_selftest.json, prints its tables, and last one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`;
 exits 0 only on PASS: every part ran, every test ran and passed (a skip on a GPU is a failure), and LeNet/MNIST
 reached 99 %.
@@ -40,9 +42,16 @@ THROUGHPUT = {
 }
 SHARED_GPU_TEST = "test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error"
 MIXED_DEVICES_TESTS = "test_mixed_devices"
-TEST_RUNS = ((1, f"not {SHARED_GPU_TEST}"), (2, f"{SHARED_GPU_TEST} or {MIXED_DEVICES_TESTS}"))
-"""(ranks, pytest -k expression): the shared-GPU test needs two ranks on one GPU and the mixed-devices tests (S-SGD
-with unequal batches, Hogbatch, Adaptive Hogbatch) a GPU rank and a CPU rank; every test runs on one rank."""
+NCCL_LINK_TEST = "test_nccl_stage_link"
+TEST_RUNS = (
+    (1, f"not {SHARED_GPU_TEST} and not {NCCL_LINK_TEST}", True),
+    (2, f"{SHARED_GPU_TEST} or {MIXED_DEVICES_TESTS}", True),
+)
+"""(ranks, pytest -k expression, all ranks on the first GPU): the shared-GPU test needs two ranks on one GPU and
+the mixed-devices tests (S-SGD with unequal batches, Hogbatch, Adaptive Hogbatch) a GPU rank and a CPU rank;
+every other test but the NCCL stage link's runs on one rank."""
+NCCL_LINK_RUN = (2, NCCL_LINK_TEST, False)
+"""The NCCL stage link's test: two ranks, a GPU each; run only where two GPUs are visible."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
 
@@ -57,9 +66,9 @@ def pytest_counts(output: str) -> dict[str, int]:
     return counts
 
 
-def run_tests(ranks: int, select: str) -> dict:
-    """Run tests/gpu on `ranks` MPI ranks, all on the first GPU; return pytest's counts and its reasons for any
-    test that did not pass."""
+def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
+    """Run tests/gpu on `ranks` MPI ranks, all on the first GPU when `first_gpu`; return pytest's counts and its
+    reasons for any test that did not pass."""
     if importlib.util.find_spec("pytest_mpi") is None:
         raise RuntimeError("pytest-mpi is not installed, so the MPI-marked GPU tests would not run")
     command = mpirun_command(ranks) + [
@@ -74,7 +83,7 @@ def run_tests(ranks: int, select: str) -> dict:
         "tests/gpu",
     ]
     env = {**os.environ, **harness.MPI_ENV}
-    if ranks > 1:
+    if ranks > 1 and first_gpu:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=harness.REPO, capture_output=True, text=True, timeout=300, env=env)
@@ -156,7 +165,9 @@ def mnist_to_99() -> dict:
 
 
 PARTS = {
-    "tests": lambda: [run_tests(ranks, select) for ranks, select in TEST_RUNS],
+    "tests": lambda: [
+        run_tests(*run) for run in TEST_RUNS + ((NCCL_LINK_RUN,) if torch.cuda.device_count() >= 2 else ())
+    ],
     "sync_cost": sync_cost,
     "throughput": throughput,
     "mnist_to_99": mnist_to_99,

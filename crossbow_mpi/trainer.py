@@ -146,7 +146,9 @@ class Trainer:
             stage, device = self.topology.stage, self.device
             cut = agree(world, lambda: _pipeline_cut(cfg, model_fn, train_set, device) if world.rank == 0 else None)
             cut = world.bcast_json(cut)
-            model_fn, engine = agree(world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads, cut))
+            model_fn, engine = agree(
+                world, lambda: build_pipeline(model_fn, stage, cfg, loss_fn, self.threads, device, cut)
+            )
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)

@@ -1,33 +1,53 @@
 """The GPU start-up on a CPU machine, with a fake CuPy/NCCL and fake CUDA device properties: the NCCL unique id
-in CuPy 13's and 14's types, NCCL failing to start on one rank, ranks sharing a GPU, the tuner's GPU memory cap."""
+in CuPy 13's and 14's types, NCCL failing to start on one rank, ranks sharing a GPU, the tuner's GPU memory cap;
+the pipeline's NCCL link on a fake NCCL whose send/recv groups are synchronous MPI messages."""
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import sys
 import types
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from crossbow_mpi import ConfigError
 from crossbow_mpi.comm import MpiCommunicator, build_communicator
+from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.nccl import NcclCommunicator, unique_id_bytes, unique_id_for_cupy
+from crossbow_mpi.pipeline import NcclLink, PipelineEngine, PipelineStage, StageLink, build_link
+from crossbow_mpi.stages import param_cut, split_model
 from crossbow_mpi.tuner import AutoTuner, Policy
+
+from test_pipeline import deep_mlp, needs_stages
 
 GPU = torch.device("cuda", 0)
 CUPY_13, CUPY_14 = "13.6.0", "14.2.0"
 RAW_ID = bytes((7 * i + 200) % 256 for i in range(128))
 
 
-def fake_cupy(version: str, failing_ranks: tuple[int, ...] = ()) -> types.ModuleType:
-    """A CuPy whose NCCL takes and returns the unique id in `version`'s type and fails to start on `failing_ranks`."""
+def fake_cupy(version: str, failing_ranks: tuple[int, ...] = (), p2p=None) -> types.ModuleType:
+    """A CuPy whose NCCL takes and returns the unique id in `version`'s type and fails to start on `failing_ranks`;
+    its send/recv (in host memory, over the mpi4py communicator `p2p`) post a group's messages at `groupEnd` as
+    synchronous sends (Issend) and receives, and wait for all of them: NCCL's rendezvous, on the host."""
     bytes_id = int(version.split(".")[0]) >= 14
     nccl = types.ModuleType("cupy.cuda.nccl")
     nccl.available = True
-    nccl.NCCL_SUM, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT64, nccl.NCCL_BFLOAT16 = 0, 6, 7, 8, 9
+    nccl.NCCL_SUM, nccl.NCCL_UINT8, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT64 = 0, 1, 6, 7, 8
+    nccl.NCCL_BFLOAT16 = 9
     nccl.NcclError = type("NcclError", (RuntimeError,), {})
-    nccl.started = []
+    nccl.started, group = [], []
+
+    def memory(pointer: int, count: int) -> np.ndarray:
+        return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(pointer))
+
+    def group_end():
+        requests = [post() for post in group]
+        group.clear()
+        wait_sleeping(requests)
 
     def get_unique_id():
         return RAW_ID if bytes_id else tuple(np.frombuffer(RAW_ID, dtype=np.int8).tolist())
@@ -49,7 +69,17 @@ def fake_cupy(version: str, failing_ranks: tuple[int, ...] = ()) -> types.Module
         def abort(self):
             self.aborted = True
 
+        def send(self, pointer: int, count: int, datatype: int, peer: int, stream: int):
+            group.append(lambda: p2p.Issend(memory(pointer, count), dest=peer))
+
+        def recv(self, pointer: int, count: int, datatype: int, peer: int, stream: int):
+            group.append(lambda: p2p.Irecv(memory(pointer, count), source=peer))
+
+        def check_async_error(self):
+            pass
+
     nccl.get_unique_id, nccl.NcclCommunicator = get_unique_id, Communicator
+    nccl.groupStart, nccl.groupEnd = group.clear, group_end
     cuda = types.ModuleType("cupy.cuda")
     cuda.nccl = nccl
     cuda.Device = lambda index: types.SimpleNamespace(use=lambda: None)
@@ -62,8 +92,8 @@ def fake_cupy(version: str, failing_ranks: tuple[int, ...] = ()) -> types.Module
 def gpus(monkeypatch, comm):
     """Install a CuPy and give every rank its own fake GPU; return a function that changes both."""
 
-    def install(version: str = CUPY_14, failing_ranks: tuple[int, ...] = (), shared: bool = False):
-        cupy = fake_cupy(version, failing_ranks)
+    def install(version: str = CUPY_14, failing_ranks: tuple[int, ...] = (), shared: bool = False, p2p=None):
+        cupy = fake_cupy(version, failing_ranks, p2p)
         for name, module in (("cupy", cupy), ("cupy.cuda", cupy.cuda), ("cupy.cuda.nccl", cupy.cuda.nccl)):
             monkeypatch.setitem(sys.modules, name, module)
         uuid = "GPU-shared" if shared else f"GPU-{comm.rank}"
@@ -160,3 +190,40 @@ def test_the_tuners_gpu_memory_cap_is_the_gpus_memory_divided_among_its_ranks(co
     memory = tuner.read_memory()
     assert (memory.used, memory.cap) == ((total - free) / sharing, total / sharing)
     assert memory.room_for_one_more == (sharing * (memory.used + 2**30) <= total)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_nccl_link_under_rendezvous_sends_runs_both_schedules_with_the_mpi_links_bits(
+    comm, gpus, monkeypatch, stages, schedule
+):
+    """With 1 to 4 micro-batches of a batch of 5 (so the micro-batches' shapes differ and repeat), each stage's
+    loss and gradients through the NCCL link, whose groups complete only when every message in them is matched,
+    equal those through the MPI link; a deadlock fails the test after a minute instead of hanging it."""
+    needs_stages(comm, stages)
+    stage = comm.split(comm.rank // stages, comm.rank)
+    gpus(p2p=stage.mpi_comm.Dup())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    links = [build_link(stage, "auto", torch.device("cpu")), build_link(stage, "nccl", GPU)]
+    assert [type(link) for link in links] == [StageLink, NcclLink]
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        for micro_batches in (1, 2, 3, 4):
+            mpi, nccl = (_stage_gradients(link, schedule, micro_batches) for link in links)
+            assert all(torch.equal(a, b) for a, b in zip(mpi, nccl, strict=True))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _stage_gradients(link: StageLink, schedule: str, micro_batches: int) -> list[torch.Tensor]:
+    """Return this stage's loss (zero but on the last stage) and gradients of one batch through `link`."""
+    torch.manual_seed(0)
+    model = deep_mlp()
+    cut = param_cut(model, link.stages)
+    module = PipelineStage(split_model(model, link.stages, cut)[link.index], link)
+    batch = torch.randn(5, 1, 6, 6), torch.randint(10, (5,))
+    loss = PipelineEngine(F.cross_entropy, 1, link, cut, micro_batches, schedule, "fp32").forward_backward(
+        module, batch
+    )
+    return [loss, *(parameter.grad for parameter in module.parameters())]

@@ -20,7 +20,7 @@ from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
 from crossbow_mpi.models import LeNet
-from crossbow_mpi.pipeline import schedule_ops
+from crossbow_mpi.pipeline import ACTIVATION, Transfer, schedule_ops, schedule_steps
 from crossbow_mpi.stages import param_cut, split_model, time_cut
 
 from conftest import run_job, run_tool, self_comm
@@ -258,36 +258,72 @@ def test_bad_pipeline_flags_exit_2_with_one_line(tmp_path, ranks, args, message)
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 4), (4, 3), (4, 8)])
-def test_schedules_complete_and_1f1b_bounds_the_activations_held(schedule, stages, micro_batches):
-    """Play every stage's order against the messages it needs: each forward pass after the previous stage's,
-    each backward pass after the next stage's; every stage finishes (no deadlock)."""
-    orders = [schedule_ops(schedule, s, stages, micro_batches) for s in range(stages)]
-    for order in orders:
-        assert sorted(order) == sorted(
+def test_schedules_progress_under_rendezvous_sends_and_1f1b_bounds_the_activations_held(
+    schedule, stages, micro_batches
+):
+    """Every stage finishes its steps where each send completes only when its receive is posted (NCCL); with each
+    group's transfers one by one instead, 1f1b deadlocks (a stage sends an activation while the next stage sends
+    it a gradient)."""
+    orders = [schedule_steps(schedule, s, stages, micro_batches) for s in range(stages)]
+    for s, order in enumerate(orders):
+        passes = [step for step in order if not isinstance(step[0], Transfer)]
+        assert passes == schedule_ops(schedule, s, stages, micro_batches)
+        assert sorted(passes) == sorted(
             [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
         )
-    done: set[tuple[str, int, int]] = set()
-    positions = [0] * stages
-    while any(p < len(o) for p, o in zip(positions, orders)):
-        moved = False
-        for s in range(stages):
-            if positions[s] == len(orders[s]):
-                continue
-            op, i = orders[s][positions[s]]
-            needs = ("F", i, s - 1) if op == "F" else ("B", i, s + 1)
-            ready = (needs[2] < 0 or needs[2] >= stages or needs in done) and (op == "F" or ("F", i, s) in done)
-            if ready:
-                done.add((op, i, s))
-                positions[s] += 1
-                moved = True
-        assert moved, f"deadlock at {positions}"
+    assert play(orders) == [len(order) for order in orders]
+    one_by_one = [[part for step in order for part in _one_by_one(step)] for order in orders]
+    deadlocks = play(one_by_one) != [len(order) for order in one_by_one]
+    assert deadlocks == (schedule == "1f1b" and micro_batches > 1)
     if schedule == "1f1b":
         for s, order in enumerate(orders):
             held = peak = 0
-            for op, _ in order:
+            for op, _ in schedule_ops(schedule, s, stages, micro_batches):
                 held += 1 if op == "F" else -1
                 peak = max(peak, held)
             assert peak <= stages - s
+
+
+def _one_by_one(step: tuple) -> list[tuple]:
+    return [(transfer,) for transfer in step] if isinstance(step[0], Transfer) else [step]
+
+
+def play(orders: list[list[tuple]]) -> list[int]:
+    """Play the stages' steps (`schedule_steps`) with rendezvous sends and return how far each stage got: a
+    communication step is posted once the previous stage has reached the step that sends the activation it
+    receives (the NCCL link sends an activation's shape ahead over MPI), and it completes once each of its
+    transfers has met its mirror, the next message on that channel, in the neighbour's posted step."""
+    positions, started, matched = [0] * len(orders), [False] * len(orders), [set() for _ in orders]
+
+    def current(s: int) -> tuple:
+        return orders[s][positions[s]] if 0 <= s < len(orders) and positions[s] < len(orders[s]) else ()
+
+    def group(s: int) -> tuple:
+        return current(s) if current(s) and isinstance(current(s)[0], Transfer) else ()
+
+    moved = True
+    while moved:
+        moved = False
+        for s in range(len(orders)):
+            receives = [t for t in group(s) if t == Transfer("recv", ACTIVATION, t.micro)]
+            started[s] |= all(Transfer("send", ACTIVATION, t.micro) in group(s - 1) for t in receives)
+        for s in range(len(orders)):
+            if not current(s):
+                continue
+            if group(s):
+                for t in [t for t in group(s) if t not in matched[s]] if started[s] else []:
+                    peer = s + t.direction
+                    waiting = [u for u in group(peer) if u not in matched[peer]] if started[peer] else []
+                    channel = [u for u in waiting if u.tag == t.tag and u.op != t.op]
+                    assert len(channel) <= 1 and all(u.micro == t.micro for u in channel), f"out of order: {t}"
+                    if channel:
+                        matched[s].add(t)
+                        matched[peer].add(channel[0])
+                if len(matched[s]) < len(group(s)):
+                    continue
+            positions[s] += 1
+            started[s], matched[s], moved = False, set(), True
+    return positions
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from crossbow_mpi.comm.base import Communicator
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import ConfigError
 
-__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "build_transport"]
+__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "build_transport", "start_nccl"]
 
 
 def build_communicator(
@@ -21,7 +21,6 @@ def build_communicator(
     MPI on GPUs), `flat` in one collective, `auto` by node when the ranks span several nodes and MPI is the
     transport (NCCL orders its own rings by node). On GPUs rank 0 also says in one line when ranks share a GPU."""
     from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
-    from crossbow_mpi.comm.nccl import NcclCommunicator
 
     if kind == "nccl" and hierarchy == "node":
         raise ConfigError("--hierarchy node sums over MPI: pass --comm mpi with it (NCCL orders its rings by node)")
@@ -38,15 +37,26 @@ def build_communicator(
             f"up to {most} ranks share a GPU (more ranks than GPUs): they share its compute, and "
             "--learners auto gives each rank its share of the GPU's memory",
         )
-    if kind == "mpi" or hierarchy == "node":
+    if hierarchy == "node":
         return control
+    nccl = start_nccl(mpi_comm, kind, device, control, "the allreduce")
+    return control if nccl is None else nccl
+
+
+def start_nccl(mpi_comm, kind: str, device: torch.device, control: Communicator, purpose: str):
+    """Return NCCL over `mpi_comm` on CUDA ranks for `kind` `nccl`, or `auto` when it starts (else rank 0 of
+    `control` says why in one line); None where MPI carries `purpose` (collective)."""
+    from crossbow_mpi.comm.nccl import NcclCommunicator
+
+    if kind == "mpi" or device.type != "cuda":
+        return None
     try:
         return NcclCommunicator(mpi_comm, device)
     except ConfigError as err:
         if kind == "nccl":
             raise ConfigError(f"--comm nccl: {err}") from None
-        _note(control, f"--comm auto: using MPI for the allreduce, since NCCL cannot start: {err}")
-        return control
+        _note(control, f"--comm auto: using MPI for {purpose}, since NCCL cannot start: {err}")
+        return None
 
 
 def _mpi_communicator(mpi_comm, hierarchy: str) -> MpiCommunicator:

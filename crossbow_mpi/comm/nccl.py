@@ -62,6 +62,7 @@ class NcclCommunicator(Communicator):
 
     def __init__(self, mpi_comm, device: torch.device):
         super().__init__(mpi_comm)
+        self.device = device
         sharing = ranks_sharing_gpus(gpu_owners(self, device))
         if sharing:
             raise ConfigError(f"ranks {', '.join(map(str, sharing))} share GPUs, and NCCL needs one GPU per rank")
@@ -112,16 +113,42 @@ class NcclCommunicator(Communicator):
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         return self._run(tensor, lambda ptr, count, dtype, stream: self.comm.bcast(ptr, count, dtype, root, stream))
 
+    def send_recv(self, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]) -> None:
+        """Send each (tensor, peer) and receive into each (tensor, peer) as one NCCL group on the current stream,
+        as bytes (any dtype); on the GPU the group completes when every peer has run its matching group."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+
+        def group() -> None:
+            self.nccl.groupStart()
+            try:
+                for tensor, peer in sends:
+                    self.comm.send(tensor.data_ptr(), _bytes(tensor), self.nccl.NCCL_UINT8, peer, stream)
+                for tensor, peer in receives:
+                    self.comm.recv(tensor.data_ptr(), _bytes(tensor), self.nccl.NCCL_UINT8, peer, stream)
+            finally:
+                self.nccl.groupEnd()
+
+        self._checked(group)
+
     def _run(self, tensor: torch.Tensor, collective: Callable) -> torch.Tensor:
         assert tensor.is_cuda and tensor.is_contiguous(), "NCCL collectives need contiguous CUDA tensors"
         if tensor.dtype not in self.dtypes:
             raise ValueError(f"the NCCL backend does not reduce {tensor.dtype}")
         stream = torch.cuda.current_stream(tensor.device).cuda_stream
+        self._checked(lambda: collective(tensor.data_ptr(), tensor.numel(), self.dtypes[tensor.dtype], stream))
+        return tensor
+
+    def _checked(self, call: Callable[[], None]) -> None:
+        """Run NCCL calls; abort the job with NCCL's message when they or an earlier asynchronous call failed."""
         try:
-            collective(tensor.data_ptr(), tensor.numel(), self.dtypes[tensor.dtype], stream)
+            call()
             self.comm.check_async_error()
         except self.nccl.NcclError as err:
             sys.stderr.write(f"crossbow_mpi: error: NCCL failed on rank {self.rank}: {err}; aborting the job\n")
             sys.stderr.flush()
             self.mpi().COMM_WORLD.Abort(5)
-        return tensor
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    assert tensor.is_contiguous(), "NCCL sends and receives contiguous tensors"
+    return tensor.numel() * tensor.element_size()

@@ -1,7 +1,8 @@
-"""GPU path: NCCL through CuPy, the CUDA-stream engine, bf16, the tuner's GPU memory cap.
+"""GPU path: NCCL through CuPy, the CUDA-stream engine, bf16, the tuner's GPU memory cap, the pipeline's NCCL link.
 
 Skipped without a CUDA device (and, for NCCL, without CuPy). Run under mpirun like the other MPI tests;
-launch/gpu_selftest.sh runs them on one GPU.
+launch/gpu_selftest.sh runs them on one GPU, and the NCCL link's test where it sees a GPU per rank (NCCL cannot
+put two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
+from crossbow_mpi.pipeline import NcclLink, build_link
 from crossbow_mpi.tuner import AutoTuner, Policy
 
 from reference import relative_error, sma_reference
@@ -32,6 +34,12 @@ def mlp_bn_float64() -> nn.Module:
 
 def convnet() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(128, 10))
+
+
+def one_epoch(run_dir, **values) -> Config:
+    """The configuration of a one-epoch CUDA run without evaluation: 2 learners, batches of 8, seed 3."""
+    defaults = dict(device="cuda", learners=2, batch_size=8, epochs=1, eval_every=0, target_accuracy=0, seed=3, lr=0.05)
+    return Config(run_dir=str(run_dir), **{**defaults, **values})
 
 
 def one_gpu_per_rank(comm) -> bool:
@@ -74,19 +82,7 @@ def test_nccl_inside_the_trainer_with_streams_matches_the_sequential_mpi_run(com
     train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
     results = {}
     for transport, engine in (("nccl", "streams"), ("mpi", "sequential")):
-        cfg = Config(
-            run_dir=str(shared_tmp / transport),
-            device="cuda",
-            comm=transport,
-            engine=engine,
-            learners=2,
-            batch_size=8,
-            epochs=1,
-            eval_every=0,
-            target_accuracy=0,
-            seed=3,
-            lr=0.05,
-        )
+        cfg = one_epoch(shared_tmp / transport, comm=transport, engine=engine)
         trainer = Trainer(cfg)
         assert isinstance(trainer.comm, NcclCommunicator) == (transport == "nccl")
         results[transport] = trainer.fit(convnet, train, train)
@@ -122,18 +118,7 @@ def test_stream_engine_agrees_with_sequential_on_gpu(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 256 * comm.size, seed=0)
     results = {}
     for engine in ("sequential", "streams"):
-        cfg = Config(
-            run_dir=str(shared_tmp / engine),
-            device="cuda",
-            engine=engine,
-            learners=4,
-            batch_size=8,
-            epochs=1,
-            eval_every=0,
-            target_accuracy=0,
-            seed=3,
-            lr=0.05,
-        )
+        cfg = one_epoch(shared_tmp / engine, engine=engine, learners=4)
         results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
 
@@ -206,20 +191,8 @@ def test_ssgd_and_eager_on_streams_agree_with_sequential_on_gpu(comm, shared_tmp
     train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
     results = {}
     for engine in ("sequential", "streams"):
-        cfg = Config(
-            run_dir=str(shared_tmp / f"{algorithm}-{engine}"),
-            device="cuda",
-            engine=engine,
-            comm="mpi",
-            algorithm=algorithm,
-            eager_sync_every=1,
-            learners=2,
-            batch_size=8,
-            epochs=1,
-            eval_every=0,
-            target_accuracy=0,
-            seed=3,
-            lr=0.05,
+        cfg = one_epoch(
+            shared_tmp / f"{algorithm}-{engine}", engine=engine, comm="mpi", algorithm=algorithm, eager_sync_every=1
         )
         results[engine] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["streams"].central, results["sequential"].central) < 1e-4
@@ -312,3 +285,29 @@ def test_the_cupy_fused_ssgd_step_gives_the_bits_of_the_in_place_step(comm):
     cupy_ssgd_update(g0, carried, fz, fu, lr, weight_decay, momentum)
     torch.cuda.current_stream(device).synchronize()
     assert torch.equal(fz, z) and torch.equal(fu, u)
+
+
+@needs_nccl
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nccl_stage_link_trains_a_pipeline_as_the_mpi_link_does(comm, shared_tmp, schedule):
+    """Two stages per pipeline, 3 micro-batches of 8 (two shapes), S-SGD over the MPI data scope: the activations
+    and gradients by NCCL send/recv train the model that MPI's do (to 1e-6: cuDNN's convolutions need not give
+    the same bits twice)."""
+    if not one_gpu_per_rank(comm) or comm.size % 2:
+        pytest.skip("the NCCL link needs a GPU per rank (NCCL cannot put two ranks on one GPU) and an even -n")
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    assert isinstance(build_link(comm.split(comm.rank // 2, comm.rank), "nccl", device), NcclLink)
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    results = {}
+    for transport in ("nccl", "mpi"):
+        cfg = one_epoch(
+            shared_tmp / transport,
+            comm=transport,
+            algorithm="ssgd",
+            pipeline_stages=2,
+            micro_batches=3,
+            schedule=schedule,
+        )
+        results[transport] = Trainer(cfg, comm).fit(convnet, train, train)
+    assert relative_error(results["nccl"].central, results["mpi"].central) < 1e-6
