@@ -1,4 +1,5 @@
-"""Framework overhead: 1 rank, 1 learner, crossbow_mpi S-SGD against a bare PyTorch loop, LeNet on MNIST.
+"""Framework overhead: 1 rank, 1 learner, crossbow_mpi S-SGD (default and `--fused-step`) against a bare PyTorch
+loop, LeNet on MNIST.
 
 Both run in one MPI process with 1 and then 2 intra-op threads, interleaved run by run, on the same model, the
 same batches (crossbow's sampler order for the same seed) and the same update rule (momentum SGD with weight
@@ -10,6 +11,7 @@ update (crossbow: the learners' local step and the sync), and the rest of the st
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections import Counter
@@ -36,7 +38,18 @@ class Budget:
 FULL = Budget(batch_sizes=(16, 64), threads=(1, 2), samples=16000, timeout_s=900)
 QUICK = Budget(batch_sizes=(16,), threads=(1, 2), samples=320, timeout_s=120)
 
-COLUMNS = ["threads", "b", "crossbow_samples_per_s", "pytorch_samples_per_s", "crossbow_vs_pytorch"]
+COLUMNS = [
+    "threads",
+    "b",
+    "crossbow_samples_per_s",
+    "fused_samples_per_s",
+    "pytorch_samples_per_s",
+    "crossbow_vs_pytorch",
+    "fused_vs_pytorch",
+]
+SYSTEMS = {"crossbow": False, "fused": True}
+"""crossbow_mpi's variants: the default step, and `--fused-step` (the same bits; its kernel is compiled before the
+timed runs)."""
 
 
 def bare_loop(train_set, batch: int, samples: int, seed: int, parts: Counter | None = None) -> float:
@@ -144,8 +157,9 @@ def worker(settings: dict) -> dict:
         for batch in settings["batch_sizes"]:
             samples = settings["samples"] // batch * batch
 
-            def crossbow(rep: int, batch=batch, samples=samples, threads=threads) -> dict:
+            def crossbow(rep: int, batch=batch, samples=samples, threads=threads, fused=False) -> dict:
                 config = Config(
+                    fused_step=fused,
                     algorithm="ssgd",
                     learners=1,
                     batch_size=batch,
@@ -161,7 +175,11 @@ def worker(settings: dict) -> dict:
             def pytorch(rep: int, batch=batch, samples=samples) -> dict:
                 return {"samples_per_s": bare_loop(train_set, batch, samples, seed=rep + 1)}
 
-            variants = {"crossbow": crossbow, "pytorch": pytorch}
+            crossbow(0, samples=2 * batch, fused=True)  # compile the fused step (once per process)
+            variants = {
+                **{system: functools.partial(crossbow, fused=fused) for system, fused in SYSTEMS.items()},
+                "pytorch": pytorch,
+            }
             runs += [
                 {"threads": threads, "b": batch, **run}
                 for run in harness.interleave(variants, settings["reps"], quiet=True)
@@ -183,7 +201,7 @@ def measure(options: harness.Options) -> harness.Report:
             timed = [run for run in mine if run["rep"] != "breakdown"]
             rates = {
                 system: harness.median(harness.column(timed, system, "samples_per_s"))
-                for system in ("crossbow", "pytorch")
+                for system in (*SYSTEMS, "pytorch")
             }
             profiles = {run["variant"]: run["breakdown"] for run in mine if run["rep"] == "breakdown"}
             harness.log(f"overhead: {threads} thread(s), b = {batch}: µs per step {json.dumps(profiles)}")
@@ -193,12 +211,15 @@ def measure(options: harness.Options) -> harness.Report:
                     "b": batch,
                     "crossbow_samples_per_s": rates["crossbow"],
                     "pytorch_samples_per_s": rates["pytorch"],
+                    "fused_samples_per_s": rates["fused"],
                     "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
+                    "fused_vs_pytorch": harness.ratio(rates["fused"], rates["pytorch"]),
                     "us_per_step": profiles,
                 }
             )
     return harness.Report(
         question="Training samples/s on 1 rank × 1 and × 2 threads, 1 learner, LeNet on MNIST: crossbow_mpi S-SGD "
+        "(default; fused: --fused-step, the same bits) "
         "against a bare PyTorch loop on the same batches (medians)",
         columns=COLUMNS,
         rows=rows,
