@@ -4,6 +4,11 @@ Every benchmark module calls `main(measure, worker)`. `measure(options)` runs th
 Report; the harness writes it to OUT/NAME.json and prints its table last. A module that must time code inside
 an MPI job also passes `worker(settings) -> dict`, which `run_worker` starts on the ranks with
 `python -m benchmarks.NAME --worker SETTINGS.json RESULT.json`.
+
+A long benchmark runs in chunks: it trains through `options.store` (a PointStore), which keeps every finished
+training run in OUT/NAME.points.jsonl, skips the runs already there, and starts no run once `--budget-minutes`
+cannot hold it; the benchmark then reports what the store holds and which phases are incomplete (Report.missing).
+Running it again continues where it stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -53,6 +59,8 @@ class Options:
     """Directory for NAME.json (and any plot)."""
     reps: int
     """Repetitions of each variant, run interleaved."""
+    store: PointStore
+    """Where training runs are kept across invocations, and the wall-clock budget for new ones."""
 
 
 @dataclass
@@ -80,6 +88,17 @@ class Budget:
         }
 
 
+QUICK_TRAINING = {
+    "model": "mlp",
+    "dataset": "synthetic-mnist",
+    "target_accuracy": 0.15,
+    "eval_every": 600,
+    "epochs": 0.02,
+    "timeout_s": 120,
+}
+"""A quick mode's Budget fields: seconds of an MLP on synthetic MNIST, to check that a benchmark runs."""
+
+
 @dataclass
 class Report:
     """What a benchmark measured: its table's rows (medians, ratios) and every run behind them."""
@@ -90,6 +109,8 @@ class Report:
     runs: list[dict]
     settings: dict
     files: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    """What the point store does not hold yet, phase by phase (e.g. "grid 83/270 runs"); empty when complete."""
 
     def table(self) -> str:
         """Render the rows as a fixed-width text table."""
@@ -119,22 +140,37 @@ def main(
     parser = argparse.ArgumentParser(
         prog=f"python -m benchmarks.{name}", description=sys.modules["__main__"].__doc__.splitlines()[0]
     )
-    parser.add_argument("--quick", action="store_true", help="tiny budget: check that it runs, not speeds")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny budget, from an empty point store: check that it runs, not speeds"
+    )
     parser.add_argument(
         "--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.json (default: %(default)s)"
     )
     parser.add_argument(
         "--reps", type=int, default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
     )
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="start no training run that would end past this many minutes; report what the point store holds",
+    )
     args = parser.parse_args()
-    options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps))
-    options.out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    store_path = args.out / f"{name}{'.quick' if args.quick else ''}.points.jsonl"
+    if args.quick:
+        store_path.unlink(missing_ok=True)
+    store = PointStore(store_path, name, None if args.budget_minutes is None else args.budget_minutes * 60)
+    options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     report = measure(options)
+    incomplete = f" INCOMPLETE: {'; '.join(report.missing)}." if report.missing else ""
     record = {
         "benchmark": name,
-        "question": report.question,
+        "question": report.question + incomplete,
+        "missing": report.missing,
+        "points": store.provenance(),
         "quick": options.quick,
         "reps": options.reps,
         "date": started.isoformat(timespec="seconds"),
@@ -151,7 +187,7 @@ def main(
     }
     path = options.out / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\n{report.question}\nwrote {path}\n\n{report.table()}", flush=True)
+    print(f"\n{record['question']}\nwrote {path}\n\n{report.table()}", flush=True)
 
 
 def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:
@@ -301,6 +337,117 @@ def seeded(trainer: str, ranks: int, flags: dict, timeout: float) -> Callable[[i
     return lambda rep: train(trainer, ranks, {**flags, "seed": rep + 1}, timeout)
 
 
+class PointStore:
+    """A benchmark's finished training runs, one JSON record a line, kept across invocations.
+
+    A record is keyed by the benchmark, the phase, the trainer, the ranks, the full flag set and the seed, and keeps
+    the result with the commit, date, load average and wall time it was measured at. `train` answers a stored run
+    from the store; it starts a new one only while the budget can hold it (by the longest run of its phase so far,
+    before any by its timeout), and once one does not fit it starts no later one either, so that the next
+    invocation continues in the same order."""
+
+    def __init__(
+        self,
+        path: Path,
+        benchmark: str,
+        budget_s: float | None = None,
+        runner: Callable[[str, int, dict, float], dict] = train,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.path, self.benchmark, self.runner, self.clock = path, benchmark, runner, clock
+        self.deadline = math.inf if budget_s is None else clock() + budget_s
+        self.exhausted = False
+        self.code = code_version()
+        lines = path.read_text().splitlines() if path.exists() else []
+        self.records = {self._key(record): record for record in map(json.loads, lines)}
+
+    @staticmethod
+    def _key(point: dict) -> str:
+        fields = ("benchmark", "phase", "trainer", "ranks", "flags", "seed")
+        return json.dumps([point[name] for name in fields], sort_keys=True)
+
+    def train(
+        self, phase: str, trainer: str, ranks: int, flags: dict, seed: int, timeout: float, limit: dict | None = None
+    ) -> dict | None:
+        """The result of `train` with `flags`, `seed` and the flags of `limit` (a pruning limit, not part of the
+        key): the stored one, else a new run's, else None when the budget is spent."""
+        point = {"benchmark": self.benchmark, "phase": phase, "trainer": trainer, "ranks": ranks}
+        point |= {"flags": flags, "seed": seed}
+        key = self._key(point)
+        if key not in self.records:
+            walls = [record["wall_s"] for record in self.records.values() if record["phase"] == phase]
+            if self.exhausted or self.clock() + max(walls, default=timeout) > self.deadline:
+                self.exhausted = True
+                return None
+            self.records[key] = self._measure(point, limit or {}, timeout)
+        record = self.records[key]
+        measured = {name: record[name] for name in ("date", "code", "load_average", "wall_s")}
+        return {**record["result"], **({"limit": record["limit"]} if record["limit"] else {}), "measured": measured}
+
+    def _measure(self, point: dict, limit: dict, timeout: float) -> dict:
+        """Run one point, append its record to the store's file and return the record."""
+        date, load_before, started = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), self.clock()
+        result = self.runner(
+            point["trainer"], point["ranks"], {**point["flags"], **limit, "seed": point["seed"]}, timeout
+        )
+        record = {
+            **point,
+            "limit": limit,
+            "result": result,
+            "date": date.isoformat(timespec="seconds"),
+            "code": self.code,
+            "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+            "wall_s": self.clock() - started,
+        }
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        return record
+
+    def seeded(
+        self, phase: str, trainer: str, ranks: int, flags: dict, timeout: float, first_seed: int = 1
+    ) -> Callable[[int], dict | None]:
+        """Return a run for `interleave`: repetition r trains `flags` with seed first_seed + r."""
+        return lambda rep: self.train(phase, trainer, ranks, flags, first_seed + rep, timeout)
+
+    def provenance(self) -> dict:
+        """The store's file, how many runs it holds, and the commits and dates they were measured at."""
+        records = self.records.values()
+        dates = sorted(record["date"] for record in records)
+        return {
+            "file": str(self.path),
+            "runs": len(records),
+            "commits": sorted({record["code"]["commit"] or "-" for record in records}),
+            "dates": [dates[0], dates[-1]] if dates else [],
+        }
+
+
+class Pruner:
+    """Stop a tuning run once it can no longer win its race: pass it the training flag `flag` (a limit) at the best
+    value of the result's `key` among the race's earlier runs, stored ones included, so that a benchmark run in
+    chunks prunes as one long run does."""
+
+    def __init__(self, store: PointStore, phase: str, key: str, flag: str):
+        self.store, self.phase, self.key, self.flag = store, phase, key, flag
+        self.best: dict = {}
+
+    def seeded(self, race, trainer: str, ranks: int, flags: dict, timeout: float) -> Callable[[int], dict | None]:
+        """Return a run for `interleave` that trains `flags` within its race's limit and records its result."""
+
+        def run(rep: int) -> dict | None:
+            limit = {self.flag: self.best[race]} if race in self.best else {}
+            result = self.store.train(self.phase, trainer, ranks, flags, rep + 1, timeout, limit)
+            if result is not None and result[self.key] is not None:
+                self.best[race] = min(self.best.get(race, math.inf), result[self.key])
+            return result
+
+        return run
+
+
+def progress(phase: str, runs: list[dict], expected: int) -> list[str]:
+    """What a phase lacks, for Report.missing: ["PHASE n/N runs"] while it has fewer runs than expected."""
+    return [f"{phase} {len(runs)}/{expected} runs"] if len(runs) < expected else []
+
+
 def train_row(runs: list[dict], variant: str) -> dict:
     """Summarise one variant's `train` runs: how many reached the target, and the medians of the time and epochs
     to it, of the final accuracy and of samples/s (diverged runs have neither of the last two)."""
@@ -317,6 +464,31 @@ def train_row(runs: list[dict], variant: str) -> dict:
         "accuracy": measured("final_accuracy"),
         "samples_per_s": measured("samples_per_s"),
     }
+
+
+def measured(variants: dict[str, object], runs: list[dict]) -> dict[str, object]:
+    """The variants that have runs (a point store's budget may have left some out)."""
+    names = {run["variant"] for run in runs}
+    return {name: variant for name, variant in variants.items() if name in names}
+
+
+def best_of(variants: dict[str, object], runs: list[dict], race: Callable, key: str) -> dict:
+    """Each race's (`race(variant)`) variant with the least median `key` among those with runs (ties, and none
+    reaching the target: the most accurate)."""
+    best = {}
+    for name, variant in measured(variants, runs).items():
+        row = train_row(runs, name)
+        rank = (row[key] if row[key] is not None else math.inf, -(row["accuracy"] or 0.0))
+        if race(variant) not in best or rank < best[race(variant)][0]:
+            best[race(variant)] = (rank, variant)
+    return {group: variant for group, (_, variant) in best.items()}
+
+
+def spread(runs: list[dict], variant: str, key: str) -> tuple[float | None, float | None]:
+    """Min and max of `key` over one variant's runs; max None when a run has none (did not reach the target)."""
+    values = column(runs, variant, key)
+    known = [value for value in values if value is not None]
+    return (min(known) if known else None), (max(known) if known and len(known) == len(values) else None)
 
 
 def mnist(test_samples: int):
@@ -352,13 +524,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def interleave(variants: dict[str, Callable[[int], dict]], reps: int, quiet: bool = False) -> list[dict]:
+def interleave(variants: dict[str, Callable[[int], dict | None]], reps: int, quiet: bool = False) -> list[dict]:
     """Run repetition r of every variant before repetition r+1 (A B A B …), so that drift in the machine's
-    load hits every variant alike; return the runs tagged with their variant and repetition."""
+    load hits every variant alike; return the runs tagged with their variant and repetition, without those a
+    point store's budget left out (None)."""
     runs = []
     for rep in range(reps):
         for variant, run in variants.items():
             result = run(rep)
+            if result is None:
+                continue
             if not quiet:
                 log(f"  {variant} rep {rep}: {json.dumps(result)}")
             runs.append({"variant": variant, "rep": rep, **result})

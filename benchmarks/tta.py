@@ -1,6 +1,6 @@
 """Time to accuracy: LeNet/MNIST to 99 %, crossbow_mpi against PyTorch DDP, each system at its best of one grid.
 
-    python -m benchmarks.tta [--quick] [--reps 5]
+    python -m benchmarks.tta [--quick] [--reps 5] [--budget-minutes 45]
 
 The machine's 2 cores run in two layouts: 2 ranks × 1 thread, and 1 rank × 2 threads, CROSSBOW's regime (one
 device that a single small-batch learner cannot fill; SMA's learners share it on the threads engine, which
@@ -27,14 +27,18 @@ layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run co
 old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (at the first
 evaluation past it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
 4–10 variants per layout × 5 seeds × ≈ 70 s ≈ 1–2 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
-≈ 20 s ≈ 10 min. In all ≈ 7–9 h. `--quick` (mlp, synthetic data, b 16, 2 learning rates, k = 2, α 0.1,
+≈ 20 s ≈ 10 min. In all ≈ 7–9 h, so it runs in chunks: `--budget-minutes 45` runs the next points in the order
+above until 45 minutes cannot hold another (by the longest run of its phase so far; the first run of a phase by
+its 15-minute timeout), keeps every finished run in OUT/tta.points.jsonl with its commit, date and load, and
+reports what that store holds (the grid's pruning limits come from the stored runs, so the chunks add up to one
+long run). About 40 useful minutes a chunk: ≈ 11–14 chunks of 45 minutes (grid ≈ 8–11, finalists 2–3, throughput
+1). `--quick` (mlp, synthetic data, b 16, 2 learning rates, k = 2, α 0.1,
 the 1 × 2 layout only, 1 seed) checks every phase with about 15 launches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass
 
 from benchmarks import harness
@@ -90,12 +94,7 @@ FULL = Budget(
     speed_epochs=0.05,
 )
 QUICK = Budget(
-    "mlp",
-    "synthetic-mnist",
-    0.15,
-    600,
-    epochs=0.02,
-    timeout_s=120,
+    **harness.QUICK_TRAINING,
     grid_epochs=0.02,
     batch_sizes=(16,),
     lrs_at_16=(0.01, 0.02),
@@ -179,42 +178,6 @@ def grid(budget: Budget) -> list[Point]:
     return points
 
 
-class Pruner:
-    """Limit each grid run to the fastest time to the target of its layout's system so far (see the docstring)."""
-
-    def __init__(self, budget: Budget):
-        self.budget = budget
-        self.best_s: dict[tuple, float] = {}
-
-    def limit(self, point: Point) -> dict:
-        best = self.best_s.get((point.layout, point.system))
-        return {} if best is None else {"time_limit": best}
-
-    def run(self, point: Point, flags: dict):
-        """Return a run for `interleave` that trains `point` within its limit and records its time."""
-
-        def run(rep: int) -> dict:
-            limit = self.limit(point)
-            result = harness.seeded(point.trainer, point.ranks, {**flags, **limit}, self.budget.timeout_s)(rep)
-            if result["tta_s"] is not None:
-                race = (point.layout, point.system)
-                self.best_s[race] = min(self.best_s.get(race, math.inf), result["tta_s"])
-            return {"limit": limit, **result}
-
-        return run
-
-
-def best_points(points: list[Point], rows: dict[str, dict]) -> dict[tuple[str, str], Point]:
-    """Each layout's system's fastest point (ties, and no point reaching the target: the most accurate)."""
-    best = {}
-    for point in points:
-        rank = (rows[point.name]["tta_s"] or math.inf, -(rows[point.name]["accuracy"] or 0.0))
-        race = (point.layout, point.system)
-        if race not in best or rank < best[race][0]:
-            best[race] = (rank, point)
-    return {race: point for race, (_, point) in best.items()}
-
-
 def finalists(best: dict[tuple[str, str], Point]) -> dict[str, Point]:
     """Each system's best point and the same-setting pairs with DDP's best, per layout, without repeats."""
     chosen = {}
@@ -226,30 +189,19 @@ def finalists(best: dict[tuple[str, str], Point]) -> dict[str, Point]:
     return chosen
 
 
-def fresh_seeds(run):
-    """Run repetition r with seed r + 2: the grid's seed 1, on which the finalists won, is not used again."""
-    return lambda rep: run(rep + GRID_SEEDS)
-
-
-def spread(runs: list[dict], name: str, key: str) -> tuple[float | None, float | None]:
-    """Min and max of `key` over one variant's runs; max None when a run has none (did not reach the target)."""
-    values = harness.column(runs, name, key)
-    known = [value for value in values if value is not None]
-    return (min(known) if known else None), (max(known) if len(known) == len(values) else None)
-
-
 def race_rows(phase: str, points: dict[str, Point], runs: list[dict], best: dict, role) -> list[dict]:
     """One row per point: its median time to the target and spread, and its ratio to DDP's best and to DDP at
     the same batch size and learning rate (where that DDP point ran in this phase)."""
-    summary = {name: harness.train_row(runs, name) for name in points}
+    summary = {name: harness.train_row(runs, name) for name in harness.measured(points, runs)}
 
-    def ratio_to(point: Point, ddp: Point) -> float | None:
-        return harness.ratio(summary[point.name]["tta_s"], summary.get(ddp.name, {}).get("tta_s"))
+    def ratio_to(point: Point, ddp: Point | None) -> float | None:
+        reference = summary.get(ddp.name, {}).get("tta_s") if ddp else None
+        return harness.ratio(summary[point.name]["tta_s"], reference)
 
     rows = []
-    for name, point in points.items():
-        low, high = spread(runs, name, "tta_s")
-        ddp = best[(point.layout, "ddp")]
+    for name, point in harness.measured(points, runs).items():
+        low, high = harness.spread(runs, name, "tta_s")
+        ddp = best.get((point.layout, "ddp"))
         rows.append(
             {
                 **row_keys(phase, role(point), point),
@@ -257,7 +209,7 @@ def race_rows(phase: str, points: dict[str, Point], runs: list[dict], best: dict
                 "min": low,
                 "max": high,
                 "vs_ddp_best": ratio_to(point, ddp),
-                "vs_ddp_same": ratio_to(point, ddp.at(point)),
+                "vs_ddp_same": ratio_to(point, ddp and ddp.at(point)),
             }
         )
     return rows
@@ -276,7 +228,7 @@ def row_keys(phase: str, role: str, point: Point) -> dict:
     }
 
 
-def throughput(budget: Budget, best: dict, reps: int) -> tuple[list[dict], list[dict]]:
+def throughput(store: harness.PointStore, budget: Budget, best: dict, reps: int) -> tuple[list[dict], list[dict]]:
     """Samples/s of `speed_model` for DDP, S-SGD and SMA at their best points in each layout: rows and runs."""
     flags = {
         "model": budget.speed_model,
@@ -290,16 +242,16 @@ def throughput(budget: Budget, best: dict, reps: int) -> tuple[list[dict], list[
     }
     runs = harness.interleave(
         {
-            name: harness.seeded(point.trainer, point.ranks, {**flags, **point.flags()}, budget.timeout_s)
+            name: store.seeded("throughput", point.trainer, point.ranks, {**flags, **point.flags()}, budget.timeout_s)
             for name, point in points.items()
         },
         reps,
     )
     rows = []
-    for name, point in points.items():
+    for name, point in harness.measured(points, runs).items():
         rate = harness.train_row(runs, name)["samples_per_s"]
         ddp = harness.train_row(runs, best[(point.layout, "ddp")].name)["samples_per_s"]
-        low, high = spread(runs, name, "samples_per_s")
+        low, high = harness.spread(runs, name, "samples_per_s")
         rows.append(
             {
                 **dict.fromkeys(COLUMNS),
@@ -317,50 +269,74 @@ def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     points = {point.name: point for point in grid(budget)}
     harness.log(f"tta: grid of {len(points)} points")
-    pruner = Pruner(budget)
+    pruner = harness.Pruner(options.store, "grid", "tta_s", "time_limit")
+    grid_flags = {**budget.flags(), "epochs": budget.grid_epochs}
     grid_runs = harness.interleave(
         {
-            name: pruner.run(point, {**budget.flags(), "epochs": budget.grid_epochs, **point.flags()})
+            name: pruner.seeded(
+                (point.layout, point.system),
+                point.trainer,
+                point.ranks,
+                {**grid_flags, **point.flags()},
+                budget.timeout_s,
+            )
             for name, point in points.items()
         },
-        1,
+        GRID_SEEDS,
     )
-    best = best_points(list(points.values()), {name: harness.train_row(grid_runs, name) for name in points})
+    best = harness.best_of(points, grid_runs, lambda point: (point.layout, point.system), "tta_s")
+    grid_rows = race_rows("grid", points, grid_runs, best, lambda point: "-")
+    runs = [{"phase": "grid", **run} for run in grid_runs]
+    missing = harness.progress("grid", grid_runs, len(points))
+    if missing:
+        return report(budget, best, {}, grid_rows, runs, missing + ["finalists and throughput not started"])
     final = finalists(best)
     harness.log(f"tta: {len(final)} finalists × {options.reps} seeds")
     final_runs = harness.interleave(
         {
-            name: fresh_seeds(
-                harness.seeded(point.trainer, point.ranks, {**budget.flags(), **point.flags()}, budget.timeout_s)
+            name: options.store.seeded(
+                "final",
+                point.trainer,
+                point.ranks,
+                {**budget.flags(), **point.flags()},
+                budget.timeout_s,
+                first_seed=GRID_SEEDS + 1,
             )
             for name, point in final.items()
         },
         options.reps,
     )
-    speed_rows, speed_runs = throughput(budget, best, options.reps)
+    speed_rows, speed_runs = throughput(options.store, budget, best, options.reps)
+    missing = harness.progress("finalists", final_runs, len(final) * options.reps)
+    missing += harness.progress("throughput", speed_runs, len(SPEED_SYSTEMS) * len(budget.layouts) * options.reps)
 
     def role(point: Point) -> str:
         return "best" if best[(point.layout, point.system)] == point else "pair"
 
-    rows = race_rows("grid", points, grid_runs, best, lambda point: "-") + race_rows(
-        "final", final, final_runs, best, role
-    )
+    rows = grid_rows + race_rows("final", final, final_runs, best, role) + speed_rows
+    runs += [{"phase": "final", **run} for run in final_runs] + [{"phase": "throughput", **run} for run in speed_runs]
+    return report(budget, best, final, rows, runs, missing)
+
+
+def report(
+    budget: Budget, best: dict, final: dict[str, Point], rows: list[dict], runs: list[dict], missing: list[str]
+) -> harness.Report:
+    """Report what the point store holds (while the grid is incomplete, `best` is the best so far)."""
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, "
         f"2 ranks × 1 thread (2x1) and 1 rank × 2 threads (1x2); {budget.speed_model} samples/s on "
         f"{budget.speed_dataset} (medians, min and max; vs_ddp_*: time / DDP's best point's and DDP's at the same "
         "b and lr; throughput rows: samples/s / DDP's)",
         columns=COLUMNS,
-        rows=rows + speed_rows,
-        runs=[{"phase": "grid", **run} for run in grid_runs]
-        + [{"phase": "final", **run} for run in final_runs]
-        + [{"phase": "throughput", **run} for run in speed_runs],
+        rows=rows,
+        runs=runs,
         settings={
             "layouts": LAYOUTS,
             "budget": asdict(budget),
             "best": {f"{layout} {system}": point.name for (layout, system), point in best.items()},
             "finalists": {name: point.flags() for name, point in final.items()},
         },
+        missing=missing,
     )
 
 

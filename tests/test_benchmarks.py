@@ -11,7 +11,8 @@ from conftest import REPO
 COLUMNS = {
     "tta": {"layout", "phase", "role", "system", "k", "alpha", "b", "lr", "reached", "tta_s", "min", "max"}
     | {"epochs", "samples_per_s", "vs_ddp_best", "vs_ddp_same"},
-    "stat_efficiency": {"algorithm", "aggregate", "k", "b", "lr", "alpha", "reached", "epochs", "accuracy", "tta_s"},
+    "stat_efficiency": {"phase", "algorithm", "aggregate", "k", "b", "lr", "alpha_rule", "alpha", "reached", "epochs"}
+    | {"min", "max", "vs_ssgd", "accuracy", "tta_s"},
     "throughput": {"layout", "system", "samples_per_s", "vs_ddp"},
     "sync_cost": {
         "ranks",
@@ -63,6 +64,8 @@ RECORD_KEYS = {
     "runs",
     "files",
     "code",
+    "missing",
+    "points",
 }
 
 
@@ -78,7 +81,7 @@ def test_quick_mode_writes_results(name, tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert RECORD_KEYS <= result.keys()
-    assert result["benchmark"] == name and result["quick"] is True and result["runs"]
+    assert result["benchmark"] == name and result["quick"] is True and result["runs"] and not result["missing"]
     assert result["rows"] and all(COLUMNS[name] <= row.keys() for row in result["rows"])
     assert COLUMNS[name] <= set(result["columns"])
     table = done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2 :]
@@ -148,3 +151,83 @@ def test_a_job_that_crashes_every_time_fails_the_benchmark_and_divergence_is_a_r
 
     harness, calls = fake_jobs(monkeypatch, [EXIT_DIVERGED])
     assert harness.train("crossbow", 2, {"seed": 1}, timeout=10)["diverged"] and len(calls) == 1
+
+
+def fake_training(clock: list[float], seconds: float = 60.0):
+    """A runner for harness.PointStore that trains nothing: each call takes `seconds` of the fake `clock`, and a
+    point's time to the target follows from its flags (over its time limit: not reached)."""
+    calls = []
+
+    def runner(trainer, ranks, flags, timeout):
+        calls.append((trainer, ranks, flags))
+        clock[0] += seconds
+        tta_s = 10 + 1000 * flags.get("lr", 0) + 3 * flags["seed"] + len(trainer + str(flags.get("learners")))
+        reached = tta_s <= flags.get("time_limit", float("inf"))
+        return {
+            "reached": reached,
+            "tta_s": tta_s if reached else None,
+            "epochs": 1.0 if reached else None,
+            "final_accuracy": 0.99 if reached else 0.5,
+            "samples_per_s": 100.0 * ranks,
+        }
+
+    return runner, calls
+
+
+def test_the_point_store_skips_finished_runs_and_a_budget_stops_before_a_run_it_cannot_hold(tmp_path):
+    from benchmarks import harness
+
+    clock = [0.0]
+    runner, calls = fake_training(clock)
+
+    def chunk(budget_s):
+        store = harness.PointStore(tmp_path / "b.points.jsonl", "b", budget_s, runner, lambda: clock[0])
+        variants = {f"v{lr}": store.seeded("grid", "crossbow", 2, {"lr": lr}, timeout=100) for lr in range(5)}
+        return harness.interleave(variants, 2, quiet=True)
+
+    first = chunk(150)  # the first run fits by its timeout (100 s), the second by the first's 60 s, not a third
+    assert [(run["variant"], run["rep"]) for run in first] == [("v0", 0), ("v1", 0)] and len(calls) == 2
+    second = chunk(150)
+    assert [flags["lr"] for _, _, flags in calls[2:]] == [2, 3] and len(second) == 4
+    whole = chunk(None)
+    assert len(calls) == 10 and [run["variant"] for run in whole] == [f"v{lr}" for lr in range(5)] * 2
+    assert [run["rep"] for run in whole] == [0] * 5 + [1] * 5 and whole[:4] == second
+    record = json.loads((tmp_path / "b.points.jsonl").read_text().splitlines()[0])
+    assert record["flags"] == {"lr": 0} and record["seed"] == 1 and record["wall_s"] == 60
+    assert {"date", "code", "load_average", "result"} <= record.keys()
+
+
+@pytest.mark.parametrize(
+    "name, first_missing, limit",
+    [
+        ("tta", ["grid 2/8 runs", "finalists and throughput not started"], "time_limit"),
+        ("stat_efficiency", ["grid 2/4 runs", "finalists not started"], "epochs"),
+    ],
+)
+def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
+    name, first_missing, limit, tmp_path, monkeypatch
+):
+    import dataclasses
+    import importlib
+
+    from benchmarks import harness
+
+    benchmark = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(benchmark, "QUICK", dataclasses.replace(benchmark.QUICK, lrs_at_16=(0.01, 0.02)))
+    clock = [0.0]
+
+    def run(path, budget_s):
+        runner, calls = fake_training(clock)
+        store = harness.PointStore(path, name, budget_s, runner, lambda: clock[0])
+        return benchmark.measure(harness.Options(name, True, tmp_path, 2, store)), calls
+
+    whole, whole_calls = run(tmp_path / "whole.jsonl", None)
+    assert not whole.missing and len({flags.get(limit) for _, _, flags in whole_calls}) > 1, "nothing was pruned"
+    partial, calls = run(tmp_path / "chunks.jsonl", 150)
+    assert partial.missing == first_missing and not partial.settings["finalists"]
+    chunks = 1
+    while partial.missing:
+        partial, more = run(tmp_path / "chunks.jsonl", 300)
+        calls += more
+        chunks += 1
+    assert chunks >= 3 and calls == whole_calls and partial.rows == whole.rows
