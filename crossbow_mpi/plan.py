@@ -36,8 +36,8 @@ VALIDATION = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
 EFFICIENCY_FILE = Path("benchmarks/results/stat_efficiency.json")
 LR_AT_64 = 0.01
 """`--measure-efficiency`'s S-SGD learning rate at aggregate batch 64."""
-WORKER = "--allreduce-worker"
-"""argv[1] of the ranks of the allreduce sweep."""
+ALLREDUCE_WORKER, LINK_WORKER = "--allreduce-worker", "--link-worker"
+"""argv[1] of the ranks of the allreduce sweep and of the stage link's ping-pong."""
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -131,6 +131,7 @@ def plan(args: argparse.Namespace) -> None:
         args.batch_size, args.micro_batches = work.batch, work.micro_batches
     else:
         work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 20, args.cut)
+        work = measure_step_overhead(args, measure_link(work, args.quick), args.quick)
     given = args.bandwidth is not None
     network = Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick)
     network = dataclasses.replace(network, allreduce=args.allreduce)
@@ -147,7 +148,7 @@ def plan(args: argparse.Namespace) -> None:
         "projection": [vars(cell) for cell in cells],
     }
     if args.validate:
-        rows = validate(args)
+        rows = validate(args, work)
         print(validation_table(rows))
         record["validation"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,8 @@ def plan(args: argparse.Namespace) -> None:
 
 def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int, cut: str = "params") -> Workload:
     """Time the model's forward+backward at `batch` on one thread, and each stage's at the micro-batch, for every
-    M in STAGES the model can be split into, cut as `--cut` cuts it in training (`params` or `time`)."""
+    M in STAGES the model can be split into, cut as `--cut` cuts it in training (`params` or `time`); as in
+    training, the model and the first stage do not compute their inputs' gradient."""
     import torch
     from torch import nn
 
@@ -171,13 +173,13 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int,
     loss_fn = nn.CrossEntropyLoss()
     micro = max(1, batch // micro_batches)
 
-    def fwd_bwd_s(module: nn.Module, inputs: torch.Tensor, last: bool) -> tuple[float, torch.Tensor]:
+    def fwd_bwd_s(module: nn.Module, inputs: torch.Tensor, first: bool, last: bool) -> tuple[float, torch.Tensor]:
         def loss(y: torch.Tensor) -> torch.Tensor:
             return loss_fn(y, torch.zeros(len(y), dtype=torch.long)) if last else y.sum()
 
-        return forward_backward_s(module, inputs, reps, loss)
+        return forward_backward_s(module, inputs, reps, loss, input_grad=not first)
 
-    whole_s, _ = fwd_bwd_s(model, torch.randn(batch, *INPUT_SHAPES[model_name]), last=True)
+    whole_s, _ = fwd_bwd_s(model, torch.randn(batch, *INPUT_SHAPES[model_name]), first=True, last=True)
     stages = {}
     for m in STAGES[1:]:
         try:
@@ -187,7 +189,7 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int,
             continue
         stage_s, cut_bytes, stage_bytes = [], [], []
         for index, group in enumerate(groups):
-            seconds, x = fwd_bwd_s(nn.Sequential(*group), x, last=index == m - 1)
+            seconds, x = fwd_bwd_s(nn.Sequential(*group), x, first=index == 0, last=index == m - 1)
             stage_s.append(seconds / micro)
             stage_bytes.append(sum(p.numel() * p.element_size() for g in group for p in g.parameters()))
             if index < m - 1:
@@ -205,7 +207,8 @@ def read_workload(path: Path) -> tuple[str, str, Workload]:
         record = json.loads(path.read_text())
         saved = {k: v for k, v in record["workload"].items() if k not in ("cut", "source")}
         stages = {int(m): tuple(values) for m, values in saved.pop("stages").items()}
-        return record["model"], record["workload"]["cut"], Workload(**saved, stages=stages)
+        link = projection.LinkCost(**saved.pop("link", {}))
+        return record["model"], record["workload"]["cut"], Workload(**saved, stages=stages, link=link)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"--workload {path}: not a plan.json with a measured workload ({err})") from err
 
@@ -228,11 +231,28 @@ def update_s(nbytes: int, reps: int) -> float:
 def sweep_allreduce(ranks: int, quick: bool) -> Network:
     """Time float32 allreduces of growing sizes on `ranks` ranks under mpirun; return the ring model's α-β fit."""
     sizes = [4**i for i in range(1, 9 if quick else 11)]
+    seconds = run_worker(ALLREDUCE_WORKER, ranks, sizes, 5 if quick else 30)
+    return projection.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
+
+
+def measure_link(work: Workload, quick: bool) -> Workload:
+    """Return the workload with its stage link's cost (`projection.LinkCost`): the host seconds of a message
+    through pipeline.StageLink at each cut's size per micro-batch and empty, fitted, and the poll delay, measured
+    by a ping-pong on two ranks under mpirun."""
+    micro = max(1, work.batch // work.micro_batches)
+    sizes = sorted({0, *(micro * n for _, cuts, _ in work.stages.values() for n in cuts)})
+    if len(sizes) == 1:
+        return work
+    *seconds, poll_delay = run_worker(LINK_WORKER, 2, sizes, 20 if quick else 200)
+    return dataclasses.replace(work, link=projection.fit_link(sizes, seconds, poll_delay))
+
+
+def run_worker(worker: str, ranks: int, sizes: list[int], calls: int) -> list[float]:
+    """Run `worker` on `ranks` ranks under mpirun with the sizes and calls; return the list its rank 0 wrote."""
     with tempfile.TemporaryDirectory(prefix="plan-") as tmp:
         result = Path(tmp) / "result.json"
-        mpirun(ranks, ["-m", "crossbow_mpi.plan", WORKER, json.dumps(sizes), "5" if quick else "30", str(result)], 300)
-        seconds = json.loads(result.read_text())
-    return projection.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
+        mpirun(ranks, ["-m", "crossbow_mpi.plan", worker, json.dumps(sizes), str(calls), str(result)], 300)
+        return json.loads(result.read_text())
 
 
 def allreduce_worker(sizes: list[int], calls: int, result: Path) -> None:
@@ -260,6 +280,51 @@ def allreduce_worker(sizes: list[int], calls: int, result: Path) -> None:
         seconds.append(statistics.median(loops))
     if comm.Get_rank() == 0:
         result.write_text(json.dumps(seconds))
+
+
+def link_worker(sizes: list[int], calls: int, result: Path) -> None:
+    """On two ranks: rank 0 sends `calls` + 1 messages of each size (bytes of float32) through a
+    pipeline.StageLink, rank 1 receives each once it is posted; the first of each size is a warm-up. Rank 0
+    writes the median of each size's host seconds, sender's and receiver's together, then the poll delay: half
+    of the longest poll, POLL_MAX_S plus the median oversleep of sleeping that long."""
+    import torch
+
+    from crossbow_mpi import runtime
+    from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.comm.base import POLL_MAX_S
+    from crossbow_mpi.pipeline import ACTIVATION, StageLink
+
+    runtime.install_abort_on_failure()
+    link = StageLink(MpiCommunicator(runtime.mpi().COMM_WORLD))
+    seconds = []
+    for size in sizes:
+        message, times = torch.ones(size // 4), []
+        for _ in range(calls + 1):
+            if link.first:
+                started = time.perf_counter()
+                link.send(message, 1, ACTIVATION)
+                host = time.perf_counter() - started
+            link.comm.barrier()
+            if link.first:
+                link.flush()
+            else:
+                started = time.perf_counter()
+                link.recv(0, ACTIVATION, message.device)
+                host = time.perf_counter() - started
+            times.append(link.comm.allreduce_sum_numbers([host])[0])
+        seconds.append(statistics.median(times[1:]))
+    if link.first:
+        result.write_text(json.dumps([*seconds, (POLL_MAX_S + oversleep_s(POLL_MAX_S, calls)) / 2]))
+
+
+def oversleep_s(seconds: float, reps: int) -> float:
+    """The median time by which sleeping `seconds` overshoots them."""
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        time.sleep(seconds)
+        times.append(time.perf_counter() - started - seconds)
+    return statistics.median(times)
 
 
 def mpirun(ranks: int, args: list[str], timeout: float) -> None:
@@ -302,7 +367,9 @@ def describe(args, work: Workload, network: Network, curve: EpochCurve, source: 
     return (
         f"{args.model}: {work.sample_s * 1e3:.3f} ms forward+backward per sample (1 thread), "
         f"{work.param_bytes / 1e6:.2f} MB of parameters; batch {work.batch} per worker, "
-        f"{work.micro_batches} micro-batches\n"
+        f"{work.micro_batches} micro-batches; {work.step_overhead_s * 1e3:.3g} ms of training loop per step\n"
+        f"stage link: {work.link.host_s_fixed * 1e6:.3g} µs + {work.link.host_s_per_byte * 1e9:.3g} ns/byte of host "
+        f"work per message, poll delay {work.link.poll_delay_s * 1e6:.3g} µs\n"
         f"network ({origin}): α = {network.latency_s * 1e6:.3g} µs, {gbit_per_s(network):.3g} Gb/s, "
         f"{network.allreduce} allreduce\n"
         f"E(B) = {curve.min_epochs:.3g}·(1 + B/{curve.noise_batch:.0f}) from {source}\n"
@@ -339,43 +406,21 @@ def table(cells: list[projection.Projection]) -> str:
     return "\n".join(lines)
 
 
-def validate(args: argparse.Namespace) -> list[dict]:
+def validate(args: argparse.Namespace, planned: Workload) -> list[dict]:
     """Train S-SGD through the CLI at each VALIDATION size and compare the time per step with the projection
-    from the compute and the allreduce at N ranks measured just before (compute slowed by ranks/cores where
-    the ranks outnumber this machine's cores), so that both see the machine's load of the moment."""
+    from the compute and the allreduce at N ranks measured just before, so that both see the machine's load of
+    the moment, and the planned workload's stage link and training loop overhead (CPU work slowed by ranks/cores
+    where the ranks outnumber this machine's cores)."""
     cores = os.cpu_count() or 1
-    samples = 2000 if args.quick else 20000
     rows = []
     for n, m in VALIDATION[:2] if args.quick else VALIDATION:
         work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 10, args.cut)
         if m > 1 and m not in work.stages:
             continue
+        work = dataclasses.replace(work, link=planned.link, step_overhead_s=planned.step_overhead_s)
         network = dataclasses.replace(sweep_allreduce(n, quick=True), allreduce=args.allreduce)
-        aggregate = n // m * args.batch_size
-        flags = {
-            "algorithm": "ssgd",
-            "model": args.model,
-            "learners": 1,
-            "batch-size": args.batch_size,
-            "pipeline-stages": m,
-            "cut": args.cut,
-            "micro-batches": args.micro_batches if m > 1 else 1,
-            "threads": 1,
-            "epochs": samples / 60000,
-            "eval-every": samples // 2,
-            "target-accuracy": 0,
-        }
-        records = train(n, flags)
-        rate = [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]
-        measured = aggregate / rate
-        slowdown = max(1.0, n / cores)
-        busy = dataclasses.replace(
-            work,
-            sample_s=work.sample_s * slowdown,
-            update_s_per_byte=work.update_s_per_byte * slowdown,
-            stages=_slowed(work, slowdown),
-        )
-        projected = projection.hybrid_step_s(busy, n, m, network)
+        measured = train_step_s(args, n, m, 2000 if args.quick else 20000)
+        projected = projection.hybrid_step_s(_slowed(work, max(1.0, n / cores)), n, m, network)
         rows.append(
             {
                 "load_average": os.getloadavg()[0],
@@ -385,11 +430,41 @@ def validate(args: argparse.Namespace) -> list[dict]:
                 "projected_step_ms": projected * 1e3,
                 "error": projected / measured - 1,
                 "sample_ms": work.sample_s * 1e3,
+                "step_overhead_ms": work.step_overhead_s * 1e3,
+                "link": dataclasses.asdict(work.link),
                 "allreduce_alpha_us": network.latency_s * 1e6,
                 "allreduce_s_per_byte": network.seconds_per_byte,
             }
         )
     return rows
+
+
+def measure_step_overhead(args: argparse.Namespace, work: Workload, quick: bool) -> Workload:
+    """Return the workload with the training loop's host work per step: a step of S-SGD on one rank through the
+    CLI less the batch's forward+backward and the update."""
+    step = train_step_s(args, 1, 1, 800 if quick else 4000)
+    compute = work.batch * work.sample_s + work.param_bytes * work.update_s_per_byte
+    return dataclasses.replace(work, step_overhead_s=max(step - compute, 0.0))
+
+
+def train_step_s(args: argparse.Namespace, ranks: int, stages: int, samples: int) -> float:
+    """Train S-SGD through the CLI on `ranks` ranks in pipelines of `stages` for about `samples` samples; return
+    the time per step of the second half."""
+    flags = {
+        "algorithm": "ssgd",
+        "model": args.model,
+        "learners": 1,
+        "batch-size": args.batch_size,
+        "pipeline-stages": stages,
+        "cut": args.cut,
+        "micro-batches": args.micro_batches if stages > 1 else 1,
+        "threads": 1,
+        "epochs": samples / 60000,
+        "eval-every": samples // 2,
+        "target-accuracy": 0,
+    }
+    rate = [r["samples_per_s"] for r in train(ranks, flags) if "samples_per_s" in r][-1]
+    return ranks // stages * args.batch_size / rate
 
 
 def train(ranks: int, flags: dict) -> list[dict]:
@@ -436,8 +511,20 @@ def measure_efficiency(args: argparse.Namespace) -> Path:
     return path
 
 
-def _slowed(work: Workload, factor: float) -> dict:
-    return {m: ([s * factor for s in stage_s], cuts, sizes) for m, (stage_s, cuts, sizes) in work.stages.items()}
+def _slowed(work: Workload, factor: float) -> Workload:
+    """The workload with its CPU work (compute, update, the stage link's host work, the loop's overhead) slowed."""
+    stages = {m: ([s * factor for s in stage_s], cuts, sizes) for m, (stage_s, cuts, sizes) in work.stages.items()}
+    link = work.link
+    return dataclasses.replace(
+        work,
+        sample_s=work.sample_s * factor,
+        update_s_per_byte=work.update_s_per_byte * factor,
+        stages=stages,
+        step_overhead_s=work.step_overhead_s * factor,
+        link=dataclasses.replace(
+            link, host_s_fixed=link.host_s_fixed * factor, host_s_per_byte=link.host_s_per_byte * factor
+        ),
+    )
 
 
 def validation_table(rows: list[dict]) -> str:
@@ -476,7 +563,8 @@ def plot(cells: list[projection.Projection], path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [WORKER]:
-        allreduce_worker(json.loads(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    workers = {ALLREDUCE_WORKER: allreduce_worker, LINK_WORKER: link_worker}
+    if sys.argv[1:2] and sys.argv[1] in workers:
+        workers[sys.argv[1]](json.loads(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
     else:
         sys.exit(main())

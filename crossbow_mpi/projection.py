@@ -8,8 +8,21 @@ Pure functions of measured or given quantities (Pal et al., IEEE Micro 2019):
   libraries and NCCL choose by size: the tree wins at latency-bound sizes and large P, the ring when bandwidth
   dominates. NCCL's pipelined double binary tree (≈ 2·log2 P·α + 2·n·β: the tree's latency at nearly the ring's
   bandwidth) is not modelled; it would move the crossover to larger messages.
-- a pipeline of M stages with μ micro-batches runs μ + M − 1 slots, each as long as the slowest stage's compute
-  of one micro-batch plus its activation and gradient messages, so (M−1)/(μ+M−1) of a step is bubble;
+- a pipeline of M stages with μ micro-batches (gpipe or 1f1b) takes (μ−1)·max_i c_i + Σ_i c_i + 2·Σ_j (t_j + d):
+  the slowest stage's slot for every micro-batch but one, plus one micro-batch through every stage and back (the
+  fill and the drain, so about (M−1)/(μ+M−1) of a step is bubble when the stages are balanced). A stage's slot
+  c_i is its forward+backward of one micro-batch plus the host work of the messages it handles per micro-batch:
+  for each cut j beside it, the activation and the gradient each cost h_j = h_0 + n_j·h_1 of encoding, posting,
+  probing, receiving and decoding on the two stages' cores together (h_0, h_1 fitted to a ping-pong of
+  pipeline.StageLink at the cuts' sizes). On the fill and drain path the first micro-batch's activation crosses
+  each cut one way and its gradient the other, each after a transfer t_j = α + n_j·β and a poll delay d: a
+  waiting stage probes for its message between sleeps that double up to POLL_MAX_S (comm.base), so after a wait
+  of a slot it notices a message on average half a poll late, d = (POLL_MAX_S + the measured oversleep of
+  sleep(POLL_MAX_S))/2. In the steady state the transfers overlap the compute (a slot is never shorter than one
+  transfer) and a stage's next input is there before it asks;
+- a step adds to its compute (DP: the batch's forward+backward; hybrid: the pipeline) the optimizer's update of the
+  largest shard, the allreduce of that shard over the ranks that hold it, and the training loop's own host work
+  per step (loading the batch, zeroing, bookkeeping: a step of S-SGD on one rank less its compute and update);
 - E(B), the epochs to the target at aggregate batch B, follows E_min·(1 + B/B_noise);
 - the speedup over one device in time to the target of W workers, each taking `batch` samples per step, is
   E(batch)/E(W·batch) · T_step(1)/T_step · W. DP is W = N workers of one device; hybrid W = N/M workers of M.
@@ -106,18 +119,49 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+@dataclass(frozen=True)
+class LinkCost:
+    """What a message between two pipeline stages costs on this machine beside its transfer."""
+
+    host_s_fixed: float = 0.0
+    """h_0: the host work of one message, both ends together (encode, post, probe, receive, decode), seconds."""
+    host_s_per_byte: float = 0.0
+    """h_1: its growth per byte of the message."""
+    poll_delay_s: float = 0.0
+    """d: how late, on average, a stage that has waited a slot notices its message (half a longest poll)."""
+
+    def host_s(self, nbytes: float) -> float:
+        return self.host_s_fixed + nbytes * self.host_s_per_byte
+
+
+def fit_link(sizes_bytes: list[float], seconds: list[float], poll_delay_s: float) -> LinkCost:
+    """Fit h_0 and h_1 to the host seconds per message measured at two or more sizes (least squares)."""
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError("the stage link fit needs host times of at least two message sizes")
+    fixed, per_byte = _line(sizes_bytes, seconds)
+    return LinkCost(max(fixed, 0.0), max(per_byte, 0.0), poll_delay_s)
+
+
 def pipeline_step_s(
-    stage_sample_s: list[float], boundary_bytes: list[float], batch: int, micro_batches: int, network: Network
+    stage_sample_s: list[float],
+    boundary_bytes: list[float],
+    batch: int,
+    micro_batches: int,
+    network: Network,
+    link: LinkCost = LinkCost(),
 ) -> float:
-    """One pipeline step's compute and messages (no allreduce): μ + M − 1 slots of the slowest stage's
-    forward+backward of one micro-batch plus the largest activation and gradient messages between stages.
-    `stage_sample_s` is each stage's forward+backward per sample, `boundary_bytes` each cut's activation bytes
-    per sample."""
+    """One pipeline step's compute and messages (no allreduce): every micro-batch but one in the slowest stage's
+    slot, one through every stage, and the first activation's and last gradient's transfers and poll delays
+    across every cut. `stage_sample_s` is each stage's forward+backward per sample, `boundary_bytes` each cut's
+    activation bytes per sample."""
     assert len(boundary_bytes) == len(stage_sample_s) - 1
     micro = batch / micro_batches
-    compute = max(stage_sample_s) * micro
-    messages = 2 * network.send_s(max(boundary_bytes) * micro) if boundary_bytes else 0.0
-    return (micro_batches + len(stage_sample_s) - 1) * (compute + messages)
+    messages = [micro * n for n in boundary_bytes]
+    handled = [link.host_s(n) for n in messages]
+    slots = [seconds * micro + sum(handled[max(i - 1, 0) : i + 1]) for i, seconds in enumerate(stage_sample_s)]
+    slot = max(slots + [network.send_s(n) for n in messages])
+    crossings = sum(2 * (network.send_s(n) + link.poll_delay_s) for n in messages)
+    return (micro_batches - 1) * slot + sum(slots) + crossings
 
 
 def speedup(workers: int, batch: int, step_s: float, single_step_s: float, curve: EpochCurve) -> float:
@@ -140,11 +184,18 @@ class Workload:
     micro_batches: int
     update_s_per_byte: float = 0.0
     """The optimizer's element-wise update of a step, per byte of parameters."""
+    step_overhead_s: float = 0.0
+    """The training loop's host work per step beside forward+backward and the update (none in workloads saved
+    before it was measured: measure again to charge it)."""
+    link: LinkCost = LinkCost()
+    """The stage link's host work per message and poll delay (workloads saved before they were measured load
+    with none: measure again to charge them)."""
 
 
 def dp_step_s(work: Workload, devices: int, network: Network) -> float:
     update = work.param_bytes * work.update_s_per_byte
-    return work.batch * work.sample_s + update + network.allreduce_s(work.param_bytes, devices)
+    compute = work.batch * work.sample_s + work.step_overhead_s
+    return compute + update + network.allreduce_s(work.param_bytes, devices)
 
 
 def hybrid_step_s(work: Workload, devices: int, stages: int, network: Network) -> float:
@@ -153,9 +204,9 @@ def hybrid_step_s(work: Workload, devices: int, stages: int, network: Network) -
     if stages == 1:
         return dp_step_s(work, devices, network)
     stage_s, cut_bytes, stage_bytes = work.stages[stages]
-    pipeline = pipeline_step_s(stage_s, cut_bytes, work.batch, work.micro_batches, network)
+    pipeline = pipeline_step_s(stage_s, cut_bytes, work.batch, work.micro_batches, network, work.link)
     update = max(stage_bytes) * work.update_s_per_byte
-    return pipeline + update + network.allreduce_s(max(stage_bytes), devices // stages)
+    return pipeline + work.step_overhead_s + update + network.allreduce_s(max(stage_bytes), devices // stages)
 
 
 @dataclass(frozen=True)

@@ -74,12 +74,15 @@ def time_cut(model, stages: int, inputs: torch.Tensor, reps: int = 5) -> list[in
     return _balanced_cuts(costs, stages)
 
 
-def forward_backward_s(module: nn.Module, inputs: torch.Tensor, reps: int, loss_fn=None) -> tuple[float, torch.Tensor]:
+def forward_backward_s(
+    module: nn.Module, inputs: torch.Tensor, reps: int, loss_fn=None, input_grad: bool = True
+) -> tuple[float, torch.Tensor]:
     """Return the median time of `reps` forward+backward passes of `module` on `inputs` (after one untimed pass)
-    and its output; the backward pass is of `loss_fn(output)`, by default of the output's sum."""
+    and its output; the backward pass is of `loss_fn(output)`, by default of the output's sum, and with
+    `input_grad` (as in every stage but the first) also computes the gradient of floating-point inputs."""
 
     def once() -> torch.Tensor:
-        x = inputs.detach().requires_grad_(inputs.is_floating_point())
+        x = inputs.detach().requires_grad_(input_grad and inputs.is_floating_point())
         y = module(x)
         (loss_fn(y) if loss_fn else y.sum()).backward()
         if y.is_cuda:

@@ -1,5 +1,6 @@
 """The planner: its model's formulas against hand-computed values, its projection's shape, and its CLI."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -54,10 +55,45 @@ def test_the_allreduce_fit_recovers_alpha_and_beta():
 def test_pipeline_bubble_and_step():
     assert projection.bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert projection.bubble_fraction(1, 8) == 0
-    # 4 micro-batches of 2 samples through 2 stages: 5 slots of the slower stage's 2 × 2 ms
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE) == pytest.approx(5 * 4e-3)
-    # each slot also sends an activation and its gradient: 2 × α
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(1e-4, 0)) == pytest.approx(5 * 4.2e-3)
+    # 4 micro-batches of 2 samples through 2 stages: 3 in the slower stage's 4 ms slot, one through both (2 + 4 ms)
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE) == pytest.approx(3 * 4e-3 + 6e-3)
+    # the first activation and the last gradient cross the cut: 2 × α
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(1e-4, 0)) == pytest.approx(18.2e-3)
+    # each stage's slot adds the host work of the 200-byte activation and gradient it handles, 0.1 + 0.2 ms;
+    # each crossing waits half a poll, 0.5 ms
+    link = projection.LinkCost(host_s_fixed=1e-4, host_s_per_byte=1e-6, poll_delay_s=5e-4)
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE, link) == pytest.approx(
+        3 * 4.3e-3 + (2.3e-3 + 4.3e-3) + 2 * 5e-4
+    )
+    # a middle stage handles the messages of both its cuts
+    assert projection.pipeline_step_s([1e-3] * 3, [100, 100], 8, 4, FREE, projection.LinkCost(1e-4)) == pytest.approx(
+        3 * 2.2e-3 + (2.1e-3 + 2.2e-3 + 2.1e-3)
+    )
+    # a link slower than every stage sets the slot: 20 ms per 200-byte message
+    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(0, 1e-4)) == pytest.approx(
+        3 * 20e-3 + 6e-3 + 2 * 20e-3
+    )
+
+
+def test_the_link_fit_recovers_the_host_work_per_message():
+    fitted = projection.fit_link([0, 1000, 4000], [2e-5 + n * 1e-8 for n in (0, 1000, 4000)], poll_delay_s=3e-4)
+    assert fitted.host_s_fixed == pytest.approx(2e-5) and fitted.host_s_per_byte == pytest.approx(1e-8)
+    assert fitted.poll_delay_s == 3e-4 and fitted.host_s(500) == pytest.approx(2.5e-5)
+    with pytest.raises(ValueError, match="two message sizes"):
+        projection.fit_link([8, 8], [1e-5, 1e-5], 0.0)
+
+
+def test_a_step_charges_the_training_loops_overhead():
+    work = dataclasses.replace(workload(), step_overhead_s=1e-3)
+    # 16 samples of 1 ms, the overhead, the update of 4 MB at 0.1 ns/byte
+    assert projection.dp_step_s(work, 1, FREE) == pytest.approx(16e-3 + 1e-3 + 4e-4)
+    # 3 micro-batches in a 2.2 ms slot, one through both stages, the overhead, the update of the 2 MB shard
+    assert projection.hybrid_step_s(work, 2, 2, FREE) == pytest.approx(3 * 2.2e-3 + 4.4e-3 + 1e-3 + 2e-4)
+
+
+def test_workloads_saved_before_the_link_and_overhead_were_measured_load_without_them():
+    _, cut, work = plan.read_workload(REPO / "benchmarks/results/plan/lenet-validate.json")
+    assert cut == "time" and work.link == projection.LinkCost() and work.step_overhead_s == 0.0
 
 
 def test_epoch_curve_fit_and_speedup():
@@ -95,8 +131,11 @@ def test_hybrid_overtakes_dp_as_the_allreduce_and_the_batch_grow():
     ratios = [hybrid[n].speedup / dp[n] for n in sorted(hybrid) if n >= 4]
     assert ratios == sorted(ratios), "once both allreduce, hybrid's advantage grows with N"
     assert ratios[0] < 1 < ratios[-1]
-    # one device: 16 samples + the update; M = 2: 5 slots of 4 samples and two 16 kB messages, + half the update
-    assert hybrid[2].mp_speedup == pytest.approx((16e-3 + 4e-4) / (5 * (4 * 5.5e-4 + 2 * (5e-6 + 1.6e-5)) + 2e-4))
+    # one device: 16 samples + the update; M = 2: 3 micro-batches of 4 samples in a stage's slot, one through both
+    # stages, the first activation and the last gradient (16 kB each), + half the update
+    assert hybrid[2].mp_speedup == pytest.approx(
+        (16e-3 + 4e-4) / (3 * 4 * 5.5e-4 + 2 * 4 * 5.5e-4 + 2 * (5e-6 + 1.6e-5) + 2e-4)
+    )
     assert not hybrid[2].pal_criterion and hybrid[1024].pal_criterion
 
 
