@@ -1,18 +1,21 @@
 """Framework overhead: 1 rank, 1 learner, crossbow_mpi S-SGD (default and `--fused-step`) against a bare PyTorch
 loop, LeNet on MNIST.
 
-Both run in one MPI process with 1 and then 2 intra-op threads, interleaved run by run, on the same model, the
-same batches (crossbow's sampler order for the same seed) and the same update rule (momentum SGD with weight
-decay); samples/s counts the training steps only. After the timed runs, one more run of each with timers around
-its parts says where a step's time goes (`breakdown`, µs per step): the batch fetch, forward and backward, the
-update (crossbow: the learners' local step and the sync), and the rest of the step and loop.
+The three loops run in one MPI process with 1 and then 2 intra-op threads, on the same model, the same batches
+(crossbow's sampler order for the same seed) and the same update rule (momentum SGD with weight decay). They take
+turns in rounds of a few dozen steps, the order rotating each round, so that the machine's drift (±10 % over
+seconds on this VM, for the bare loop alone) hits every loop alike; samples/s is each loop's samples over its
+seconds in the training steps (crossbow: `Run.train_step`, what its metrics' samples/s counts). Then one more
+round of each with timers around its parts says where a step's time goes (`breakdown`, µs per step): the batch
+fetch, forward and backward, the update (crossbow: the learners' local step and the sync), and the rest of the step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
+import statistics
+import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -31,12 +34,14 @@ class Budget:
     threads: tuple[int, ...]
     """Intra-op threads of the process (both loops)."""
     samples: int
-    """Training samples of one run (within one epoch)."""
+    """Training samples of each loop, in all rounds (within one epoch)."""
+    rounds: int
+    """Turns each loop takes, each `samples / rounds` samples."""
     timeout_s: float
 
 
-FULL = Budget(batch_sizes=(16, 64), threads=(1, 2), samples=16000, timeout_s=900)
-QUICK = Budget(batch_sizes=(16,), threads=(1, 2), samples=320, timeout_s=120)
+FULL = Budget(batch_sizes=(16, 64), threads=(1, 2), samples=32000, rounds=40, timeout_s=900)
+QUICK = Budget(batch_sizes=(16,), threads=(1, 2), samples=320, rounds=2, timeout_s=120)
 
 COLUMNS = [
     "threads",
@@ -52,38 +57,74 @@ SYSTEMS = {"crossbow": False, "fused": True}
 timed runs)."""
 
 
-def bare_loop(train_set, batch: int, samples: int, seed: int, parts: Counter | None = None) -> float:
-    """Train with plain PyTorch on crossbow's batches for `seed`; return samples/s of the steps; add each part's
-    seconds to `parts` if given."""
-    import torch
-    import torch.nn.functional as F
+class BareLoop:
+    """Plain PyTorch training on crossbow's batches for `seed`."""
 
-    from crossbow_mpi.config import Config
-    from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
-    from crossbow_mpi.models import build_model
+    def __init__(self, train_set, batch: int, seed: int):
+        import torch
 
-    defaults = Config()
-    torch.manual_seed(seed)
-    model = build_model("lenet", train_set.input_shape, train_set.num_classes)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=LR, momentum=defaults.momentum, weight_decay=defaults.weight_decay
-    )
-    order = GlobalSampler(len(train_set), seed, rank=0, world_size=1)
-    elapsed, parts = 0.0, Counter() if parts is None else parts
-    for offset in range(0, samples, batch):
-        started = time.perf_counter()
-        inputs, targets = fetch_batch(train_set, order.indices(0, offset, 1, batch)[0])
-        fetched = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), targets).backward()
-        computed = time.perf_counter()
-        optimizer.step()
-        stepped = time.perf_counter()
-        parts.update(
-            {"batches": fetched - started, "forward_backward": computed - fetched, "update": stepped - computed}
+        from crossbow_mpi.config import Config
+        from crossbow_mpi.data.sampler import GlobalSampler
+        from crossbow_mpi.models import build_model
+
+        defaults = Config()
+        torch.manual_seed(seed)
+        self.model = build_model("lenet", train_set.input_shape, train_set.num_classes)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=LR, momentum=defaults.momentum, weight_decay=defaults.weight_decay
         )
-        elapsed += stepped - started
-    return samples / elapsed
+        self.order = GlobalSampler(len(train_set), seed, rank=0, world_size=1)
+        self.train_set, self.batch, self.offset = train_set, batch, 0
+
+    def steps(self, count: int, parts: Counter | None = None) -> float:
+        """Take `count` steps; return their seconds; add each part's seconds to `parts` if given."""
+        import torch.nn.functional as F
+
+        from crossbow_mpi.data.sampler import fetch_batch
+
+        elapsed, parts = 0.0, Counter() if parts is None else parts
+        for _ in range(count):
+            started = time.perf_counter()
+            inputs, targets = fetch_batch(self.train_set, self.order.indices(0, self.offset, 1, self.batch)[0])
+            fetched = time.perf_counter()
+            self.optimizer.zero_grad()
+            F.cross_entropy(self.model(inputs), targets).backward()
+            computed = time.perf_counter()
+            self.optimizer.step()
+            stepped = time.perf_counter()
+            parts.update(
+                {"batches": fetched - started, "forward_backward": computed - fetched, "update": stepped - computed}
+            )
+            elapsed += stepped - started
+            self.offset += self.batch
+        return elapsed
+
+
+class CrossbowLoop:
+    """crossbow_mpi's S-SGD run (built by `Trainer.start`) on one rank, stepped by `Run.train_step`."""
+
+    def __init__(self, train_set, batch: int, threads: int, seed: int, fused: bool):
+        from crossbow_mpi import Config, Trainer, runtime
+        from crossbow_mpi.comm import MpiCommunicator
+        from crossbow_mpi.models import build_model
+
+        config = Config(
+            algorithm="ssgd",
+            learners=1,
+            batch_size=batch,
+            lr=LR,
+            threads=threads,
+            seed=seed,
+            fused_step=fused,
+            run_dir=tempfile.mkdtemp(prefix="bench-overhead-"),
+        )
+        comm = MpiCommunicator(runtime.mpi().COMM_WORLD)
+        model_fn = lambda: build_model("lenet", train_set.input_shape, train_set.num_classes)  # noqa: E731
+        self.run = Trainer(config, comm).start(model_fn, train_set)
+
+    def steps(self, count: int, parts: Counter | None = None) -> float:
+        """Take `count` steps; return the seconds of their `train_step`s."""
+        return sum(self.run.train_step(LR).seconds for _ in range(count))
 
 
 @contextlib.contextmanager
@@ -110,14 +151,15 @@ def timed_methods(methods: dict[str, list[tuple[type, str]]], parts: Counter):
             setattr(owner, name, original)
 
 
-def breakdown(parts: Counter, steps: int, samples_per_s: float, batch: int) -> dict:
-    """Return µs per step of each part, and of the rest of a step at this rate."""
-    per_step = {part: seconds / steps * 1e6 for part, seconds in parts.items()}
-    return {**per_step, "rest": batch / samples_per_s * 1e6 - sum(per_step.values())}
+def breakdown(parts: Counter, steps: int, seconds: float) -> dict:
+    """Return µs per step of each part, and of the rest of the step."""
+    per_step = {part: total / steps * 1e6 for part, total in parts.items()}
+    return {**per_step, "rest": seconds / steps * 1e6 - sum(per_step.values())}
 
 
-def profiled(train_set, crossbow, steps: int, batch: int) -> dict[str, dict]:
-    """Run each loop once more with timers around its parts; return each one's samples/s and breakdown."""
+def profiled(loops: dict, steps: int) -> dict[str, dict]:
+    """Run the default crossbow loop and the bare loop once more with timers around their parts; return each one's
+    µs per step by part."""
     from crossbow_mpi.data.prefetch import BatchPrefetcher
     from crossbow_mpi.engines import LearnerEngine
 
@@ -130,79 +172,64 @@ def profiled(train_set, crossbow, steps: int, batch: int) -> dict[str, dict]:
         },
         parts,
     ):
-        mine = crossbow(0)
+        mine = loops["crossbow"].steps(steps)
     bare_parts = Counter()
-    bare = {"samples_per_s": bare_loop(train_set, batch, steps * batch, seed=1, parts=bare_parts)}
-    return {
-        "crossbow": {**mine, "breakdown": breakdown(parts, steps, mine["samples_per_s"], batch)},
-        "pytorch": {**bare, "breakdown": breakdown(bare_parts, steps, bare["samples_per_s"], batch)},
-    }
+    bare = loops["pytorch"].steps(steps, bare_parts)
+    return {"crossbow": breakdown(parts, steps, mine), "pytorch": breakdown(bare_parts, steps, bare)}
 
 
 def worker(settings: dict) -> dict:
-    """Time both loops for every batch size, interleaved; return every run."""
+    """Time the loops for every thread count and batch size in rotating rounds; return every round."""
     import torch
 
-    from crossbow_mpi import Config
-    from crossbow_mpi.models import build_model
-
-    train_set, test_set = harness.mnist(TEST_SAMPLES)
-
-    def model_fn():
-        return build_model("lenet", train_set.input_shape, train_set.num_classes)
-
-    runs = []
+    train_set, _ = harness.mnist(TEST_SAMPLES)
+    rounds, runs = settings["rounds"], []
     for threads in settings["threads"]:
         torch.set_num_threads(threads)
         for batch in settings["batch_sizes"]:
-            samples = settings["samples"] // batch * batch
-
-            def crossbow(rep: int, batch=batch, samples=samples, threads=threads, fused=False) -> dict:
-                config = Config(
-                    fused_step=fused,
-                    algorithm="ssgd",
-                    learners=1,
-                    batch_size=batch,
-                    lr=LR,
-                    epochs=samples / len(train_set),
-                    target_accuracy=0,
-                    eval_every=harness.NEVER,
-                    threads=threads,
-                    seed=rep + 1,
-                )
-                return {"samples_per_s": harness.crossbow_samples_per_s(config, model_fn, train_set, test_set)}
-
-            def pytorch(rep: int, batch=batch, samples=samples) -> dict:
-                return {"samples_per_s": bare_loop(train_set, batch, samples, seed=rep + 1)}
-
-            crossbow(0, samples=2 * batch, fused=True)  # compile the fused step (once per process)
-            variants = {
-                **{system: functools.partial(crossbow, fused=fused) for system, fused in SYSTEMS.items()},
-                "pytorch": pytorch,
+            loops = {
+                **{system: CrossbowLoop(train_set, batch, threads, 1, fused) for system, fused in SYSTEMS.items()},
+                "pytorch": BareLoop(train_set, batch, 1),
             }
+            steps = max(settings["samples"] // (batch * rounds), 1)
+            for loop in loops.values():
+                loop.steps(2)  # warm up (and compile the fused step)
+            names = list(loops)
+            for r in range(rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    seconds, samples = loops[name].steps(steps), steps * batch
+                    run = {"threads": threads, "b": batch, "variant": name, "rep": r, "samples": samples}
+                    runs.append({**run, "seconds": seconds, "samples_per_s": samples / seconds})
+            profile = profiled(loops, steps * max(rounds // 4, 1))  # a quarter of the timed steps: less noise
             runs += [
-                {"threads": threads, "b": batch, **run}
-                for run in harness.interleave(variants, settings["reps"], quiet=True)
-            ]
-            runs += [
-                {"threads": threads, "b": batch, "variant": system, "rep": "breakdown", **run}
-                for system, run in profiled(train_set, crossbow, samples // batch, batch).items()
+                {"threads": threads, "b": batch, "variant": system, "rep": "breakdown", "breakdown": parts}
+                for system, parts in profile.items()
             ]
     return {"runs": runs}
 
 
+def samples_per_s(runs: list[dict], system: str) -> float:
+    """A loop's samples over its seconds in all its rounds."""
+    mine = [run for run in runs if run["variant"] == system]
+    return sum(run["samples"] for run in mine) / sum(run["seconds"] for run in mine)
+
+
+def round_ratios(runs: list[dict], system: str) -> dict:
+    """The spread of a crossbow loop's samples/s over the bare loop's in the same round: median, min, max."""
+    by_round = {(run["rep"], run["variant"]): run["samples_per_s"] for run in runs}
+    ratios = [by_round[rep, system] / by_round[rep, "pytorch"] for rep, variant in by_round if variant == system]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    runs = harness.run_worker(options.name, 1, {**asdict(budget), "reps": options.reps}, budget.timeout_s)["runs"]
+    runs = harness.run_worker(options.name, 1, asdict(budget), budget.timeout_s)["runs"]
     rows = []
     for threads in budget.threads:
         for batch in budget.batch_sizes:
             mine = [run for run in runs if run["b"] == batch and run["threads"] == threads]
             timed = [run for run in mine if run["rep"] != "breakdown"]
-            rates = {
-                system: harness.median(harness.column(timed, system, "samples_per_s"))
-                for system in (*SYSTEMS, "pytorch")
-            }
+            rates = {system: samples_per_s(timed, system) for system in (*SYSTEMS, "pytorch")}
             profiles = {run["variant"]: run["breakdown"] for run in mine if run["rep"] == "breakdown"}
             harness.log(f"overhead: {threads} thread(s), b = {batch}: µs per step {json.dumps(profiles)}")
             rows.append(
@@ -214,13 +241,14 @@ def measure(options: harness.Options) -> harness.Report:
                     "fused_samples_per_s": rates["fused"],
                     "crossbow_vs_pytorch": harness.ratio(rates["crossbow"], rates["pytorch"]),
                     "fused_vs_pytorch": harness.ratio(rates["fused"], rates["pytorch"]),
+                    "round_ratios": {system: round_ratios(timed, system) for system in SYSTEMS},
                     "us_per_step": profiles,
                 }
             )
     return harness.Report(
         question="Training samples/s on 1 rank × 1 and × 2 threads, 1 learner, LeNet on MNIST: crossbow_mpi S-SGD "
         "(default; fused: --fused-step, the same bits) "
-        "against a bare PyTorch loop on the same batches (medians)",
+        "against a bare PyTorch loop on the same batches, in rotating rounds (samples over seconds of all rounds)",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
