@@ -7,6 +7,8 @@ an α-β fit of the allreduce from a sweep of message sizes under mpirun
 results file, or measures it with `--measure-efficiency` (short S-SGD runs to `--target-accuracy` at a few
 aggregate batches, written as such a results file). Prints SU_DP(N) and SU_hybrid(N, M) and writes a plot.
 `--validate` trains at the sizes that run here and compares the measured time per step with the projection.
+Every measured quantity is the median of `--reps` repetitions, taken in turns where two are compared, so that
+the machine's drift hits them alike.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import TypeVar
 
 from crossbow_mpi import projection
 from crossbow_mpi.config import CUTS
@@ -33,12 +37,20 @@ DATASETS = {"lenet": "mnist", "mlp": "mnist", "resnet32": "synthetic-cifar"}
 STAGES = (1, 2, 4, 8)
 VALIDATION = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
 """(N ranks, M stages) that run on a small machine."""
+OVERHEAD_STEPS, VALIDATION_STEPS = 250, 400
+"""Steps of a run that times the training loop's overhead, and of a validation run (each timed over its second
+half)."""
 EFFICIENCY_FILE = Path("benchmarks/results/stat_efficiency.json")
 LR_AT_64 = 0.01
 """`--measure-efficiency`'s S-SGD learning rate at aggregate batch 64."""
 ALLREDUCE_WORKER, LINK_WORKER = "--allreduce-worker", "--link-worker"
 """argv[1] of the ranks of the allreduce sweep and of the stage link's ping-pong."""
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+ValidationRun = tuple[Workload, Network, float, float]
+"""One validation run: the compute and the allreduce measured before it, its seconds per step, the load average
+after it."""
+Key = TypeVar("Key", bound=Hashable)
+Result = TypeVar("Result")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-devices", type=int, default=1024, help="largest N projected (default: 1024)")
     parser.add_argument("--validate", action="store_true", help="train at N = 2, 4 and M = 1, 2, 4; report errors")
+    parser.add_argument(
+        "--reps", type=int, help="repetitions of every measurement, the median taken (default: 3; --quick: 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny measurements: check that it runs")
     parser.add_argument("--out", type=Path, default=Path("plan"), help="directory for plan.json and plan.png")
     return parser
@@ -108,6 +123,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"need 1 <= --micro-batches <= --batch-size, got {args.micro_batches} and {args.batch_size}")
     if args.ranks < 2:
         raise ValueError(f"--ranks must be at least 2 for the allreduce sweep, got {args.ranks}")
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
     if args.max_devices < 1:
         raise ValueError(f"--max-devices must be at least 1, got {args.max_devices}")
     if (args.bandwidth is None) != (args.latency is None):
@@ -126,14 +143,16 @@ def check(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
+    reps = args.reps or (1 if args.quick else 3)
     if args.workload is not None:
         args.model, args.cut, work = read_workload(args.workload)
         args.batch_size, args.micro_batches = work.batch, work.micro_batches
     else:
-        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 20, args.cut)
-        work = measure_step_overhead(args, measure_link(work, args.quick), args.quick)
+        work = measure_link(measure_step_overhead(args, reps), args.quick, reps)
     given = args.bandwidth is not None
-    network = Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick)
+    network = (
+        Network.from_link(args.bandwidth, args.latency) if given else sweep_allreduce(args.ranks, args.quick, reps)
+    )
     network = dataclasses.replace(network, allreduce=args.allreduce)
     curve, curve_source = epoch_curve(measure_efficiency(args) if args.measure_efficiency else args.efficiency)
     devices = [2**i for i in range(args.max_devices.bit_length()) if 2**i <= args.max_devices]
@@ -142,13 +161,14 @@ def plan(args: argparse.Namespace) -> None:
     print(table(cells))
     record = {
         "model": args.model,
+        "reps": reps,
         "workload": {**dataclasses.asdict(work), "cut": args.cut, "source": str(args.workload or "measured")},
         "network": {**vars(network), "source": "given" if given else f"allreduce sweep on {args.ranks} ranks"},
         "epoch_curve": {**vars(curve), "source": curve_source},
         "projection": [vars(cell) for cell in cells],
     }
     if args.validate:
-        rows = validate(args, work)
+        rows = validate(args, work, reps)
         print(validation_table(rows))
         record["validation"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
@@ -228,31 +248,36 @@ def update_s(nbytes: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def sweep_allreduce(ranks: int, quick: bool) -> Network:
-    """Time float32 allreduces of growing sizes on `ranks` ranks under mpirun; return the ring model's α-β fit."""
+def sweep_allreduce(ranks: int, quick: bool, reps: int) -> Network:
+    """Time float32 allreduces of growing sizes on `ranks` ranks under mpirun, the median of `reps` runs; return
+    the ring model's α-β fit."""
     sizes = [4**i for i in range(1, 9 if quick else 11)]
-    seconds = run_worker(ALLREDUCE_WORKER, ranks, sizes, 5 if quick else 30)
+    seconds = run_worker(ALLREDUCE_WORKER, ranks, sizes, 5 if quick else 30, reps)
     return projection.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
 
 
-def measure_link(work: Workload, quick: bool) -> Workload:
+def measure_link(work: Workload, quick: bool, reps: int) -> Workload:
     """Return the workload with its stage link's cost (`projection.LinkCost`): the host seconds of a message
     through pipeline.StageLink at each cut's size per micro-batch and empty, fitted, and the poll delay, measured
-    by a ping-pong on two ranks under mpirun."""
+    by a ping-pong on two ranks under mpirun (the median of `reps` runs)."""
     micro = max(1, work.batch // work.micro_batches)
     sizes = sorted({0, *(micro * n for _, cuts, _ in work.stages.values() for n in cuts)})
     if len(sizes) == 1:
         return work
-    *seconds, poll_delay = run_worker(LINK_WORKER, 2, sizes, 20 if quick else 200)
+    *seconds, poll_delay = run_worker(LINK_WORKER, 2, sizes, 20 if quick else 200, reps)
     return dataclasses.replace(work, link=projection.fit_link(sizes, seconds, poll_delay))
 
 
-def run_worker(worker: str, ranks: int, sizes: list[int], calls: int) -> list[float]:
-    """Run `worker` on `ranks` ranks under mpirun with the sizes and calls; return the list its rank 0 wrote."""
+def run_worker(worker: str, ranks: int, sizes: list[int], calls: int, reps: int) -> list[float]:
+    """Run `worker` `reps` times on `ranks` ranks under mpirun with the sizes and calls; return the median over
+    the runs of each entry of the list its rank 0 wrote."""
+    runs = []
     with tempfile.TemporaryDirectory(prefix="plan-") as tmp:
         result = Path(tmp) / "result.json"
-        mpirun(ranks, ["-m", "crossbow_mpi.plan", worker, json.dumps(sizes), str(calls), str(result)], 300)
-        return json.loads(result.read_text())
+        for _ in range(reps):
+            mpirun(ranks, ["-m", "crossbow_mpi.plan", worker, json.dumps(sizes), str(calls), str(result)], 300)
+            runs.append(json.loads(result.read_text()))
+    return median_of(runs)
 
 
 def allreduce_worker(sizes: list[int], calls: int, result: Path) -> None:
@@ -406,50 +431,111 @@ def table(cells: list[projection.Projection]) -> str:
     return "\n".join(lines)
 
 
-def validate(args: argparse.Namespace, planned: Workload) -> list[dict]:
-    """Train S-SGD through the CLI at each VALIDATION size and compare the time per step with the projection
-    from the compute and the allreduce at N ranks measured just before, so that both see the machine's load of
-    the moment, and the planned workload's stage link and training loop overhead (CPU work slowed by ranks/cores
-    where the ranks outnumber this machine's cores)."""
-    cores = os.cpu_count() or 1
-    rows = []
-    for n, m in VALIDATION[:2] if args.quick else VALIDATION:
-        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 10, args.cut)
-        if m > 1 and m not in work.stages:
-            continue
-        work = dataclasses.replace(work, link=planned.link, step_overhead_s=planned.step_overhead_s)
-        network = dataclasses.replace(sweep_allreduce(n, quick=True), allreduce=args.allreduce)
-        measured = train_step_s(args, n, m, 2000 if args.quick else 20000)
-        projected = projection.hybrid_step_s(_slowed(work, max(1.0, n / cores)), n, m, network)
-        rows.append(
-            {
-                "load_average": os.getloadavg()[0],
-                "ranks": n,
-                "stages": m,
-                "measured_step_ms": measured * 1e3,
-                "projected_step_ms": projected * 1e3,
-                "error": projected / measured - 1,
-                "sample_ms": work.sample_s * 1e3,
-                "step_overhead_ms": work.step_overhead_s * 1e3,
-                "link": dataclasses.asdict(work.link),
-                "allreduce_alpha_us": network.latency_s * 1e6,
-                "allreduce_s_per_byte": network.seconds_per_byte,
-            }
-        )
-    return rows
+def validate(args: argparse.Namespace, planned: Workload, reps: int) -> list[dict]:
+    """Train S-SGD through the CLI at each VALIDATION size the model splits into, `reps` times in rounds of all
+    sizes, and compare the median time per step with the projection (`validation_row`)."""
+    sizes = [(n, m) for n, m in (VALIDATION[:2] if args.quick else VALIDATION) if m == 1 or m in planned.stages]
+    runs = interleaved(lambda size: validation_run(args, planned, *size), sizes, reps)
+    return [validation_row(n, m, runs[n, m]) for n, m in sizes]
 
 
-def measure_step_overhead(args: argparse.Namespace, work: Workload, quick: bool) -> Workload:
-    """Return the workload with the training loop's host work per step: a step of S-SGD on one rank through the
-    CLI less the batch's forward+backward and the update."""
-    step = train_step_s(args, 1, 1, 800 if quick else 4000)
-    compute = work.batch * work.sample_s + work.param_bytes * work.update_s_per_byte
-    return dataclasses.replace(work, step_overhead_s=max(step - compute, 0.0))
+def validation_run(args: argparse.Namespace, planned: Workload, ranks: int, stages: int) -> ValidationRun:
+    """Measure the compute and the allreduce at `ranks` ranks, so that both see the machine's load of the moment,
+    then train; the stage link and the loop's overhead are the planned workload's."""
+    work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 10, args.cut)
+    work = dataclasses.replace(work, link=planned.link, step_overhead_s=planned.step_overhead_s)
+    network = dataclasses.replace(sweep_allreduce(ranks, quick=True, reps=1), allreduce=args.allreduce)
+    step_s = train_step_s(args, ranks, stages, 60 if args.quick else VALIDATION_STEPS)
+    return work, network, step_s, os.getloadavg()[0]
 
 
-def train_step_s(args: argparse.Namespace, ranks: int, stages: int, samples: int) -> float:
-    """Train S-SGD through the CLI on `ranks` ranks in pipelines of `stages` for about `samples` samples; return
-    the time per step of the second half."""
+def validation_row(ranks: int, stages: int, runs: list[ValidationRun]) -> dict:
+    """Project the step from the runs' median compute and allreduce (CPU work slowed by ranks/cores where the
+    ranks outnumber this machine's cores) and compare it with their median step; keep every run's step."""
+    work = median_workload([work for work, *_ in runs])
+    network, measured, load = median_of([rest for _, *rest in runs])
+    projected = projection.hybrid_step_s(_slowed(work, max(1.0, ranks / (os.cpu_count() or 1))), ranks, stages, network)
+    return {
+        "load_average": load,
+        "ranks": ranks,
+        "stages": stages,
+        "measured_step_ms": measured * 1e3,
+        "measured_runs_ms": [step_s * 1e3 for _, _, step_s, _ in runs],
+        "projected_step_ms": projected * 1e3,
+        "error": projected / measured - 1,
+        "sample_ms": work.sample_s * 1e3,
+        "step_overhead_ms": work.step_overhead_s * 1e3,
+        "link": dataclasses.asdict(work.link),
+        "allreduce_alpha_us": network.latency_s * 1e6,
+        "allreduce_s_per_byte": network.seconds_per_byte,
+    }
+
+
+def interleaved(measure: Callable[[Key], Result], keys: list[Key], reps: int) -> dict[Key, list[Result]]:
+    """Measure every key `reps` times in rounds, each round key by key, so that the machine's drift over the
+    rounds hits all keys alike; return each key's results in the order taken."""
+    results: dict[Key, list[Result]] = {key: [] for key in keys}
+    for _ in range(reps):
+        for key in keys:
+            results[key].append(measure(key))
+    return results
+
+
+def median_of(values: list):
+    """The median of repeated measurements: of numbers, and field by field of dataclasses, dicts, lists and tuples
+    of them; what all repetitions agree on (an int, a name) is kept as it is."""
+    first = values[0]
+    if all(value == first for value in values[1:]):
+        return first
+    if dataclasses.is_dataclass(first):
+        fields = {f.name: median_of([getattr(v, f.name) for v in values]) for f in dataclasses.fields(first)}
+        return dataclasses.replace(first, **fields)
+    if isinstance(first, dict):
+        return {key: median_of([v[key] for v in values]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(median_of(list(items)) for items in zip(*values, strict=True))
+    return statistics.median(values)
+
+
+def median_workload(works: list[Workload]) -> Workload:
+    """The median of repeated workload measurements, each M's stages of the repetitions that cut the model as
+    most did (a cut by time can differ between them)."""
+    stages = {}
+    for m in works[0].stages:
+        cuts = [work.stages[m][1:] for work in works]
+        common = max(cuts, key=cuts.count)
+        stages[m] = median_of([work.stages[m] for work in works if work.stages[m][1:] == common])
+    return dataclasses.replace(median_of([dataclasses.replace(work, stages={}) for work in works]), stages=stages)
+
+
+def measure_step_overhead(args: argparse.Namespace, reps: int) -> Workload:
+    """Measure the workload and the training loop's host work per step `reps` times in pairs: a step of S-SGD on
+    one rank through the CLI less the batch's forward+backward and the update timed just before it; return the
+    median workload with the median difference."""
+    works, overheads = [], []
+    for _ in range(reps):
+        work = measure_workload(args.model, args.batch_size, args.micro_batches, 3 if args.quick else 20, args.cut)
+        step = train_step_s(args, 1, 1, 50 if args.quick else OVERHEAD_STEPS)
+        works.append(work)
+        overheads.append(step - work.batch * work.sample_s - work.param_bytes * work.update_s_per_byte)
+    print(
+        f"training loop per step: {spread(overheads, 1e3)} ms over {reps} paired runs, median "
+        f"{statistics.median(overheads) * 1e3:.3g} ms",
+        flush=True,
+    )
+    return dataclasses.replace(median_workload(works), step_overhead_s=max(statistics.median(overheads), 0.0))
+
+
+def spread(values: list[float], scale: float = 1.0) -> str:
+    """`min–max` of the values times `scale`."""
+    return f"{min(values) * scale:.3g}–{max(values) * scale:.3g}"
+
+
+def train_step_s(args: argparse.Namespace, ranks: int, stages: int, steps: int) -> float:
+    """Train S-SGD through the CLI on `ranks` ranks in pipelines of `stages` for `steps` steps; return the time
+    per step of the second half."""
+    aggregate = ranks // stages * args.batch_size
+    samples = steps * aggregate
     flags = {
         "algorithm": "ssgd",
         "model": args.model,
@@ -464,7 +550,7 @@ def train_step_s(args: argparse.Namespace, ranks: int, stages: int, samples: int
         "target-accuracy": 0,
     }
     rate = [r["samples_per_s"] for r in train(ranks, flags) if "samples_per_s" in r][-1]
-    return ranks // stages * args.batch_size / rate
+    return aggregate / rate
 
 
 def train(ranks: int, flags: dict) -> list[dict]:
@@ -532,12 +618,13 @@ def validation_table(rows: list[dict]) -> str:
         return "validation: no size of the model runs here"
     lines = [
         f"validation (S-SGD through the CLI, this machine, {os.cpu_count()} cores; load average "
-        f"{min(r['load_average'] for r in rows):.1f} to {max(r['load_average'] for r in rows):.1f}):",
-        f"{'N':>3} {'M':>3} {'measured':>9} {'projected':>9} {'error':>7}",
+        f"{min(r['load_average'] for r in rows):.1f} to {max(r['load_average'] for r in rows):.1f}; the median of "
+        f"{len(rows[0]['measured_runs_ms'])} runs per size, min–max beside it):",
+        f"{'N':>3} {'M':>3} {'measured':>9} {'min–max':>13} {'projected':>9} {'error':>7}",
     ]
     lines += [
-        f"{r['ranks']:>3} {r['stages']:>3} {r['measured_step_ms']:>7.2f}ms {r['projected_step_ms']:>7.2f}ms "
-        f"{r['error']:>+7.1%}"
+        f"{r['ranks']:>3} {r['stages']:>3} {r['measured_step_ms']:>7.2f}ms {spread(r['measured_runs_ms']):>11}ms "
+        f"{r['projected_step_ms']:>7.2f}ms {r['error']:>+7.1%}"
         for r in rows
     ]
     return "\n".join(lines)

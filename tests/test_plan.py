@@ -154,6 +154,67 @@ def test_the_efficiency_file_gives_the_ssgd_runs_that_reached_the_target(tmp_pat
         plan.epoch_curve(tmp_path / "bad.json")
 
 
+def test_interleaved_measures_in_rounds_of_every_key():
+    taken = []
+    results = plan.interleaved(lambda key: taken.append(key) or f"{key}{len(taken)}", [(2, 1), (4, 4)], 3)
+    assert taken == [(2, 1), (4, 4)] * 3
+    assert results == {(2, 1): ["(2, 1)1", "(2, 1)3", "(2, 1)5"], (4, 4): ["(4, 4)2", "(4, 4)4", "(4, 4)6"]}
+
+
+def test_median_of_repeated_measurements_goes_field_by_field():
+    works = [dataclasses.replace(workload(), sample_s=s, stages={2: ([s, 2 * s], [4000], [8, 8])}) for s in (3, 1, 2)]
+    median = plan.median_of([(work, Network(a, 1e-9, "tree"), a) for work, a in zip(works, (5, 9, 7))])
+    assert median == (
+        dataclasses.replace(workload(), sample_s=2, stages={2: ([2, 4], [4000], [8, 8])}),
+        Network(7, 1e-9, "tree"),
+        7,
+    )
+    assert plan.median_of([1.0, 4.0]) == 2.5 and plan.median_of([16, 16]) == 16
+    assert plan.spread([9.4e-3, 8.8e-3, 9.1e-3], 1e3) == "8.8–9.4"
+
+
+def test_the_median_workload_takes_each_m_from_the_repetitions_that_cut_as_most_did():
+    cut = {"most": ([1.0, 2.0], [4000], [8, 8]), "other": ([1.5, 1.5], [2000], [4, 12])}
+    works = [
+        dataclasses.replace(workload(), sample_s=s, stages={2: ([t * s for t in cut[c][0]], *cut[c][1:])})
+        for s, c in ((3, "most"), (1, "other"), (5, "most"))
+    ]
+    # sample_s over all three; the stages over the two that cut at 4000 bytes
+    assert plan.median_workload(works) == dataclasses.replace(
+        workload(), sample_s=3, stages={2: ([4.0, 8.0], [4000], [8, 8])}
+    )
+
+
+def test_a_validation_row_projects_from_the_median_runs_and_keeps_each_step():
+    work = dataclasses.replace(workload(), update_s_per_byte=0.0)
+    runs = [
+        (dataclasses.replace(work, sample_s=s), FREE, step, 1.0)
+        for s, step in ((2e-3, 0.05), (1e-3, 0.02), (1e-3, 0.04))
+    ]
+    row = plan.validation_row(1, 1, runs)
+    # 16 samples of the median 1 ms against the median step of 40 ms
+    assert row["projected_step_ms"] == pytest.approx(16) and row["measured_step_ms"] == pytest.approx(40)
+    assert row["measured_runs_ms"] == pytest.approx([50, 20, 40]) and row["error"] == pytest.approx(-0.6)
+    assert "20–50ms" in plan.validation_table([row]) and "median of 3 runs" in plan.validation_table([row])
+
+
+def test_validation_runs_the_sizes_in_rounds_and_the_overhead_in_pairs(monkeypatch):
+    trained, steps = [], iter([0.05, 0.03, 0.04, 0.07, 0.02, 0.01, 0.05, 0.06])
+    monkeypatch.setattr(plan, "measure_workload", lambda *_: workload())
+    monkeypatch.setattr(plan, "sweep_allreduce", lambda *_, **__: FREE)
+    monkeypatch.setattr(plan, "train_step_s", lambda _, n, m, __: trained.append((n, m)) or next(steps))
+    args = plan.build_parser().parse_args(["--validate"])
+    rows = plan.validate(args, workload(), reps=2)
+    # (4, 4) does not run: the workload has no 4 stages
+    assert [(r["ranks"], r["stages"]) for r in rows] == [(2, 1), (2, 2), (4, 1), (4, 2)]
+    assert trained == [(2, 1), (2, 2), (4, 1), (4, 2)] * 2
+    runs = [[round(ms) for ms in r["measured_runs_ms"]] for r in rows]
+    assert runs == [[50, 20], [30, 10], [40, 50], [70, 60]]
+    # 16 ms of compute and 0.4 ms of update per step, the median of 19 - 16.4 and 29 - 16.4
+    steps = iter([0.019, 0.029])
+    assert plan.measure_step_overhead(args, reps=2).step_overhead_s == pytest.approx(7.6e-3)
+
+
 def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "crossbow_mpi.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
@@ -166,6 +227,7 @@ def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         (["--micro-batches", "32"], "--micro-batches"),
         (["--bandwidth", "100"], "together"),
         (["--ranks", "1"], "--ranks"),
+        (["--reps", "0"], "--reps"),
         (["--efficiency", "/nonexistent.json"], "no such file"),
         (["--measure-efficiency", "--efficiency", "benchmarks/results/stat_efficiency.json"], "not both"),
         (["--target-accuracy", "2"], "--target-accuracy"),
