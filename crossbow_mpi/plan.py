@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -375,16 +376,26 @@ def mpirun(ranks: int, args: list[str], timeout: float) -> None:
 
 
 def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
-    """Fit E(B) to the S-SGD runs of a stat-efficiency results file that reached the target; default without."""
-    path = path or (EFFICIENCY_FILE if EFFICIENCY_FILE.is_file() else None)
+    """Fit E(B) to the S-SGD runs of a stat-efficiency results file that reached the target: its finalists' medians,
+    or, in a file without them (a benchmark still running in chunks), the fewest epochs of its grid at each
+    aggregate batch. Without a file: the repository's results if they fit, else the default."""
     if path is None:
-        return projection.DEFAULT_EPOCHS, "default (no stat-efficiency results)"
+        if not EFFICIENCY_FILE.is_file():
+            return projection.DEFAULT_EPOCHS, "default (no stat-efficiency results)"
+        try:
+            return epoch_curve(EFFICIENCY_FILE)
+        except ValueError as err:  # the repository's own file, perhaps still being measured: not the user's mistake
+            return projection.DEFAULT_EPOCHS, f"default ({err})"
     try:
         rows = [row for row in json.loads(path.read_text())["rows"] if row.get("epochs") is not None]
-        points = [(row["aggregate"], row["epochs"]) for row in rows if row.get("algorithm", "ssgd") == "ssgd"]
+        ssgd = [row for row in rows if row.get("algorithm", "ssgd") == "ssgd"]
+        final = [row for row in ssgd if row.get("phase", "final") == "final"] or ssgd
+        fewest = {}
+        for row in final:
+            fewest[row["aggregate"]] = min(row["epochs"], fewest.get(row["aggregate"], math.inf))
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a stat-efficiency results file ({err})") from err
-    return projection.fit_epochs([b for b, _ in points], [e for _, e in points]), str(path)
+    return projection.fit_epochs(list(fewest), list(fewest.values())), str(path)
 
 
 def describe(args, work: Workload, network: Network, curve: EpochCurve, source: str) -> str:

@@ -149,9 +149,27 @@ def test_the_efficiency_file_gives_the_ssgd_runs_that_reached_the_target(tmp_pat
     (tmp_path / "eff.json").write_text(json.dumps({"rows": rows}))
     curve, _ = plan.epoch_curve(tmp_path / "eff.json")
     assert curve.epochs(16) == pytest.approx(3) and curve.epochs(64) == pytest.approx(6)
+    grid = [{"phase": "grid", "algorithm": "ssgd", "aggregate": b, "epochs": e} for b, e in ((16, 4.0), (64, 9.0))]
+    (tmp_path / "chunked.json").write_text(json.dumps({"rows": [{**row, "phase": "grid"} for row in rows] + grid}))
+    curve, _ = plan.epoch_curve(tmp_path / "chunked.json")  # no finalists yet: the grid's fewest at each batch
+    assert curve.epochs(16) == pytest.approx(3) and curve.epochs(64) == pytest.approx(6)
+    final = [{"phase": "final", "algorithm": "ssgd", "aggregate": b, "epochs": e} for b, e in ((16, 5.0), (64, 7.0))]
+    (tmp_path / "final.json").write_text(json.dumps({"rows": final + grid}))
+    curve, _ = plan.epoch_curve(tmp_path / "final.json")  # the finalists' medians, not the grid's
+    assert curve.epochs(16) == pytest.approx(5) and curve.epochs(64) == pytest.approx(7)
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="not a stat-efficiency"):
         plan.epoch_curve(tmp_path / "bad.json")
+
+
+def test_the_repositorys_efficiency_file_that_cannot_be_fitted_yet_gives_the_default(tmp_path, monkeypatch):
+    one = {"rows": [{"phase": "grid", "algorithm": "ssgd", "aggregate": 16, "epochs": 3.0}]}
+    (tmp_path / "partial.json").write_text(json.dumps(one))
+    monkeypatch.setattr(plan, "EFFICIENCY_FILE", tmp_path / "partial.json")
+    curve, source = plan.epoch_curve(None)
+    assert curve == projection.DEFAULT_EPOCHS and source.startswith("default (E(B) needs")
+    with pytest.raises(ValueError, match="E.B. needs"):  # a file the user names must fit
+        plan.epoch_curve(tmp_path / "partial.json")
 
 
 def test_interleaved_measures_in_rounds_of_every_key():
