@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -116,7 +115,6 @@ class CrossbowLoop:
             threads=threads,
             seed=seed,
             fused_step=fused,
-            run_dir=tempfile.mkdtemp(prefix="bench-overhead-"),
         )
         comm = MpiCommunicator(runtime.mpi().COMM_WORLD)
         model_fn = lambda: build_model("lenet", train_set.input_shape, train_set.num_classes)  # noqa: E731
