@@ -120,7 +120,7 @@ class CrossbowLoop:
         model_fn = lambda: build_model("lenet", train_set.input_shape, train_set.num_classes)  # noqa: E731
         self.run = Trainer(config, comm).start(model_fn, train_set)
 
-    def steps(self, count: int, parts: Counter | None = None) -> float:
+    def steps(self, count: int) -> float:
         """Take `count` steps; return the seconds of their `train_step`s."""
         return sum(self.run.train_step(LR).seconds for _ in range(count))
 
