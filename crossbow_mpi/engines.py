@@ -40,6 +40,12 @@ class Algorithm(Protocol):
     def sync(self, lr: float) -> None: ...
 
 
+def use_threads(count: int) -> None:
+    """Give the calling thread's intra-op work `count` threads (a thread's own setting, so set only on a change)."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
 class LearnerEngine:
     """Compute every learner's gradient on its batch; subclasses choose how the learners share the device."""
 
@@ -64,7 +70,7 @@ class LearnerEngine:
         try:
             losses = torch.stack(self.run_learners(learners, batches))
         finally:
-            torch.set_num_threads(self.threads)
+            use_threads(self.threads)
         if self.warming_up:
             self.warmup_s = time.perf_counter() - started
         return losses
@@ -102,10 +108,8 @@ class LearnerEngine:
 
     def learner_step(self, learners: Learners, j: int, batch: Batch) -> torch.Tensor:
         """Run learner j's forward and backward pass on its batch; return its loss."""
-        torch.set_num_threads(self.learner_threads(learners.k))
-        module = learners.modules[j]
-        module.train()
-        loss = self.forward_backward(module, batch)
+        use_threads(self.learner_threads(learners.k))
+        loss = self.forward_backward(learners.modules[j], batch)
         learners.take_gradients(j)
         return loss
 

@@ -84,10 +84,11 @@ class FlatLayout:
             [getattr(modules[s.module], s.name).detach().reshape(-1) for s in self.param_slots + self.buffer_slots]
         )
 
-    def bind(self, model: nn.Module, state: torch.Tensor) -> None:
-        """Make the model's trainable parameters and float buffers views of `state`; drop its gradients."""
+    def bind(self, model: nn.Module, state: torch.Tensor, params: torch.Tensor | None = None) -> None:
+        """Make the model's trainable parameters and float buffers views of `state` (the parameters: of `params`,
+        if given, a parameter vector); drop its gradients."""
         assert state.shape == (self.num_state,)
-        for param, view in zip(self.trainable(model), self.param_views(state)):
+        for param, view in zip(self.trainable(model), self.param_views(state if params is None else params)):
             param.data = view  # one Parameter object, however many modules hold it
             param.grad = None
         modules = dict(model.named_modules())

@@ -62,10 +62,13 @@ class CentralModel:
 
 
 class Learners:
-    """k replicas; row j of `weights`, `grads` and `momentum` belongs to learner j.
+    """k replicas; row j of `weights`, `grads`, `momentum` and `staging` belongs to learner j.
 
-    A learner's parameters are views of its row of `weights`; its gradients are not bound: autograd writes them
-    fresh and `take_gradients` moves them into its row of `grads` after its backward passes."""
+    A learner's parameters are views of its row of `weights`, or of z itself while `shares_z` (for algorithms
+    after whose every sync each learner equals z: a copy of z would be written every step and read by the next
+    forward pass, twice z's bytes through the caches for nothing). Its float buffers are always its own row's.
+    Its gradients are not bound: autograd writes them fresh and `take_gradients` moves them into its row of
+    `grads` after its backward passes. Learners stay in training mode (evaluation runs the central model)."""
 
     def __init__(self, model_fn: Callable[[], nn.Module], layout: FlatLayout, central: CentralModel, k: int):
         self.model_fn = model_fn
@@ -73,8 +76,15 @@ class Learners:
         self.central = central
         self.modules: list[nn.Module] = []
         self.weights = central.z.new_empty((0, layout.num_state))
-        self.grads = central.z.new_empty((0, layout.num_params))
+        self.staging = central.z.new_empty((0, layout.num_state + 1))
+        """Row j: [learner j's gradient | room for its float buffers and its weight], the layout of a sync message
+        row, so that an algorithm whose message is the learners' gradients stages them without a copy."""
+        self.grads = self.staging[:, : layout.num_params]
+        """The first part of `staging`: row j is learner j's gradient."""
         self.momentum = central.z.new_empty((0, layout.num_params))
+        self.shares_z = False
+        """Whether every learner's parameters are z's; then the parameter columns of `weights` are unused, and NaN
+        so that a read of them shows."""
         self.resize(k, central.z)
 
     @property
@@ -83,6 +93,9 @@ class Learners:
 
     @property
     def params(self) -> torch.Tensor:
+        """Row j: learner j's parameters (a view of z for every row while `shares_z`)."""
+        if self.shares_z:
+            return self.central.params.expand(self.k, -1)
         return self.weights[:, : self.layout.num_params]
 
     @property
@@ -98,24 +111,41 @@ class Learners:
         momentum = self.momentum.new_zeros((k, self.layout.num_params))
         momentum[:keep] = self.momentum[:keep]
         self.weights, self.momentum = weights, momentum
-        self.grads = self.grads.new_zeros((k, self.layout.num_params))
+        self.staging = self.staging.new_zeros((k, self.layout.num_state + 1))
+        self.grads = self.staging[:, : self.layout.num_params]
         while len(self.modules) < k:
-            module = self.model_fn().to(device=z.device, dtype=z.dtype)
+            module = self.model_fn().to(device=z.device, dtype=z.dtype).train()
             self.layout.load_extra_state(module, self.layout.extra_state(self.central.module))
             self.modules.append(module)
         del self.modules[k:]
-        for j, module in enumerate(self.modules):
-            self.layout.bind(module, self.weights[j])
-        self.trainable = [self.layout.trainable(m) for m in self.modules]
+        self._bind()
         self.grad_views = [self.layout.param_views(row) for row in self.grads]
         self.buffer_refs = [self.layout.buffer_refs(m) for m in (*self.modules, self.central.module)]
+
+    def share_z(self, shares: bool) -> None:
+        """Bind every learner's parameters to z (True) or to its own row, which starts as z (False)."""
+        if shares != self.shares_z:
+            self.shares_z = shares
+            if not shares:
+                self.weights[:, : self.layout.num_params] = self.central.params
+            self._bind()
+
+    def _bind(self) -> None:
+        z = self.central.params if self.shares_z else None
+        for j, module in enumerate(self.modules):
+            self.layout.bind(module, self.weights[j], params=z)
+        if self.shares_z:
+            self.weights[:, : self.layout.num_params] = float("nan")
+        self.trainable = [self.layout.trainable(m) for m in self.modules]
 
     def take_gradients(self, j: int) -> None:
         """Move the gradients that learner j's backward passes left on its parameters into row j of `grads`."""
         take_gradients(self.trainable[j], self.grad_views[j])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"weights": self.weights.clone(), "momentum": self.momentum.clone()}
+        weights = self.weights.clone()
+        weights[:, : self.layout.num_params] = self.params
+        return {"weights": weights, "momentum": self.momentum.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
@@ -127,7 +157,7 @@ class Learners:
         if state is None:
             return
         fit = min(self.k, len(state["weights"]))
-        self.weights[:fit] = state["weights"][:fit]
+        self.weights[:fit, self.own_columns] = state["weights"][:fit, self.own_columns]
         self.momentum[:fit] = state["momentum"][:fit]
 
     def take_extra_state(self) -> None:
@@ -137,8 +167,14 @@ class Learners:
             self.layout.load_extra_state(module, extra)
 
     def reset_to(self, z: torch.Tensor) -> None:
-        """Set every learner's weights to z."""
-        self.weights.copy_(z.expand_as(self.weights))
+        """Set every learner's weights to z (its float buffers alone while `shares_z`: its parameters are z's)."""
+        own = self.weights[:, self.own_columns]
+        own.copy_(z[self.own_columns].expand_as(own))
+
+    @property
+    def own_columns(self) -> slice:
+        """The columns of `weights` that the learners hold: all, or the float buffers' while `shares_z`."""
+        return slice(self.layout.num_params if self.shares_z else 0, None)
 
     def share_extra_state(self) -> None:
         """Give every learner and z learner 0's non-float buffers (at every sync; local, no communication)."""

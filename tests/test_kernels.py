@@ -54,7 +54,7 @@ def ssgd_step(fused_update, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tenso
     ssgd.fused_update = fused_update
     learners.grads.normal_(std=1e-2)
     ssgd.step(lr=0.05)
-    return central.z, central.u, learners.weights
+    return central.z, central.u, learners.state_dict()["weights"]
 
 
 @needs_compiler

@@ -31,6 +31,12 @@ class Algorithm:
     rounds = False
     """Whether the ranks step at their own pace within rounds of samples that the transport hands out
     (`begin_round`, `next_position`, `end_round`), rather than in lockstep (asynchronous algorithms)."""
+    learners_share_z = False
+    """Whether every learner equals z after every sync, so that the learners' parameters can be z's own
+    (`Learners.share_z`) instead of copies written at every sync."""
+    stages_gradients = False
+    """Whether a learner's part of the sync message is its gradient (times its weight): then the staged rows are
+    the learners' `staging`, whose first part holds their gradients already, so that staging copies nothing."""
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
     learner reads before its own `local_step`."""
@@ -40,6 +46,7 @@ class Algorithm:
         self.transport = transport
         self.central = central
         self.learners = learners
+        learners.share_z(self.learners_share_z)
         self.staged = torch.empty(0)
         """Row j: learner j's part of the sync message, times its weight [its part | its float buffers | its weight]."""
         self.message = torch.empty(0)
@@ -65,11 +72,15 @@ class Algorithm:
 
     def allocate_message(self) -> None:
         """(Re)allocate the staged rows and the message for the current number of learners, before `local_step`
-        (on a GPU: on the stream that every learner's and the sync stream wait for)."""
-        k, num_state = self.learners.weights.shape
-        if self.staged.shape != (k, num_state + 1):
-            self.staged = self.learners.weights.new_ones((k, num_state + 1))
-            self.message = self.learners.weights.new_empty(num_state + 1)
+        (on a GPU: on the stream that every learner's and the sync stream wait for). With one learner the message
+        is its staged row."""
+        learners = self.learners
+        staged = learners.staging if self.stages_gradients else self.staged
+        if staged.shape != learners.staging.shape:
+            staged = learners.staging.new_ones(learners.staging.shape)
+        if staged is not self.staged:
+            self.staged = staged
+            self.message = staged[0] if learners.k == 1 else staged.new_empty(staged.shape[1])
 
     def local_step(self, rows: slice, lr: float) -> None:
         """Run the learners' own part of the step for the learners in `rows`, staging their sync message rows."""
@@ -102,13 +113,21 @@ class Algorithm:
 
     def staged_rows(self, rows: slice) -> torch.Tensor:
         """Return the staged rows' first part (one column per parameter), staging the learners' weighted buffers and
-        weight beside it; the caller stages its part times `weight`."""
+        weight beside it; the caller stages its part times `weight` (with `stages_gradients` the part holds the
+        learners' gradients already)."""
         learners = self.learners
         assert self.staged.shape[0] == learners.k, "allocate_message() before local_step()"
         num_params = learners.layout.num_params
-        self.staged[rows, num_params:-1] = learners.buffers[rows] * self.weight
+        if learners.layout.buffer_slots:
+            torch.mul(learners.buffers[rows], self.weight, out=self.staged[rows, num_params:-1])
         self.staged[rows, -1] = self.weight
         return self.staged[rows, :num_params]
+
+    def sum_staged(self) -> torch.Tensor:
+        """Sum the staged rows into the message and return it (one learner's row is the message already)."""
+        if self.staged.shape[0] > 1:
+            sum_rows(self.staged, out=self.message)
+        return self.message
 
     def allreduce_staged(self, scope: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce [sum of the staged rows' first parts | weighted sum of the learners' buffers | sum of their weights]
@@ -118,8 +137,7 @@ class Algorithm:
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
-        num_params, message = self.learners.layout.num_params, self.message
-        sum_rows(self.staged, out=message)
+        num_params, message = self.learners.layout.num_params, self.sum_staged()
         (scope or self.transport).allreduce_sum_(message)
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)

@@ -23,26 +23,26 @@ import torch
 
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.flat import sum_rows
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
 
 
 class Omnivore(RoundsAlgorithm):
     name = "omnivore"
+    learners_share_z = True
+    stages_gradients = True
 
     def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):
         super().__init__(hp, transport, central, learners)
         self.transport.serve((self.central.z, self.central.u), self.update_central)
 
     def local_step(self, rows: slice, lr: float) -> None:
-        self.staged_rows(rows).copy_(self.learners.grads[rows])
+        self.staged_rows(rows)  # beside the gradients, which are in place already
 
     def sync(self, lr: float) -> None:
         hp = self.hp
-        sum_rows(self.staged, out=self.message)
         self.next_position = self.transport.exchange(
-            self.message, self.central.z, (lr, hp.momentum, hp.weight_decay), self.group_step
+            self.sum_staged(), self.central.z, (lr, hp.momentum, hp.weight_decay), self.group_step
         )
         self.learners.reset_to(self.central.z)
 

@@ -18,11 +18,15 @@ from crossbow_mpi.kernels import SsgdUpdate
 class SynchronousSGD(Algorithm):
     name = "ssgd"
     weighs_by_samples = True
+    learners_share_z = True
+    stages_gradients = True
     fused_update: SsgdUpdate | None = None
     """The fused step of u and z (`--fused-step`), or None for the in-place sequence (the same bits)."""
 
     def local_step(self, rows: slice, lr: float) -> None:
-        torch.mul(self.learners.grads[rows], self.weight, out=self.staged_rows(rows))
+        gradients = self.staged_rows(rows)
+        if self.weight != 1.0:
+            gradients.mul_(self.weight)
 
     def sync(self, lr: float) -> None:
         hp, central = self.hp, self.central

@@ -249,7 +249,7 @@ def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
     weights = torch.randn(k, n + 7, device=device)  # rows of [params | buffers], as the learners hold them
     v0, g0, z = (
         torch.randn(k, n, device=device) * 0.01,
-        torch.randn(k, n, device=device),
+        torch.randn(k, n + 8, device=device)[:, :n],  # the gradients' part of the learners' staging rows
         torch.randn(n, device=device),
     )
     staged = torch.ones(k, n + 8, device=device)
