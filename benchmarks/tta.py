@@ -15,9 +15,11 @@ device that a single small-batch learner cannot fill; SMA's learners share it on
    DDP and crossbow_mpi). No system gets fewer points.
 2. Finalists (seeds 2 … reps + 1, fresh: a point that won on seed 1 is not measured on its lucky seed again),
    interleaved: each system's best point, and the same-setting pairs: every crossbow_mpi system's best k and α
-   at DDP's best b and lr, and DDP at each crossbow_mpi system's best b and lr. Rows give the median time, its
-   spread (min, max; max "-" when a seed did not reach the target), and the ratio to DDP's best (best against
-   best) and to DDP at the same b and lr.
+   at DDP's best b and lr, and DDP at each crossbow_mpi system's best b and lr; and DDP's, S-SGD's and SMA's
+   best points again with `--compile` (role "compiled"; the first step compiles, and its seconds count in the
+   time to the target), which decides whether `--compile` should be on by default. Rows give the median time,
+   its spread (min, max; max "-" when a seed did not reach the target), and the ratio to DDP's best (best
+   against best) and to DDP at the same b and lr (for a compiled point: uncompiled DDP).
 3. Throughput: ResNet-32 on synthetic CIFAR, samples/s of DDP, S-SGD and SMA at their best points' b, lr, k and
    α in each layout, interleaved, training steps only (`--learners auto` is left out: its k is chosen during
    the run; benchmarks/learners.py measures that).
@@ -26,7 +28,7 @@ Duration of the full run (estimated, not measured: 2 cores, nothing else running
 layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run costs about 70 s with its launch (the
 old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (at the first
 evaluation past it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
-4–10 variants per layout × 5 seeds × ≈ 70 s ≈ 1–2 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
+7–13 variants per layout × 5 seeds × ≈ 70 s ≈ 1.5–2.5 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
 ≈ 20 s ≈ 10 min. In all ≈ 7–9 h, so it runs in chunks: `--budget-minutes 45` runs the next points in the order
 above until 45 minutes cannot hold another (by the longest run of its phase so far; the first run of a phase by
 its 15-minute timeout), keeps every finished run in OUT/tta.points.jsonl with its commit, date and load, and
@@ -70,6 +72,9 @@ class Budget(harness.Budget):
     """Also try SMA with α = 1/(k·P) besides α = 0.1."""
     layouts: tuple[str, ...]
     """The layouts (of `LAYOUTS`) it races in."""
+    compiled: tuple[str, ...]
+    """The systems whose best point also races among the finalists with `--compile` (both trainers take it), its
+    compile time counted in its time to the target: what decides `--compile`'s default."""
     speed_model: str
     speed_dataset: str
     speed_epochs: float
@@ -89,6 +94,7 @@ FULL = Budget(
     learners=(2, 1, 4),
     scaled_alpha=True,
     layouts=tuple(LAYOUTS),
+    compiled=("ddp", "ssgd", "sma"),
     speed_model="resnet32",
     speed_dataset="synthetic-cifar",
     speed_epochs=0.05,
@@ -101,6 +107,7 @@ QUICK = Budget(
     learners=(2,),
     scaled_alpha=False,
     layouts=("1x2",),
+    compiled=(),
     speed_model="mlp",
     speed_dataset="synthetic-cifar",
     speed_epochs=0.01,
@@ -136,11 +143,12 @@ class Point:
     lr: float
     k: int | str = 1
     alpha: float | None = None
+    compile: bool = False
 
     @property
     def name(self) -> str:
         sma = f" k={self.k} alpha={self.alpha:g}" if self.alpha is not None else ""
-        return f"{self.layout} {self.system} b={self.b} lr={self.lr:g}{sma}"
+        return f"{self.layout} {self.system} b={self.b} lr={self.lr:g}{sma}{' compiled' if self.compile else ''}"
 
     @property
     def trainer(self) -> str:
@@ -153,6 +161,8 @@ class Point:
     def flags(self) -> dict:
         """The training CLI's flags for this point (without the budget's)."""
         flags = {"batch_size": self.b, "lr": self.lr, "threads": LAYOUTS[self.layout][1]}
+        if self.compile:
+            flags["compile"] = True
         if self.system == "ddp":
             return flags
         algorithm = {"algorithm": "ssgd" if self.system == "ssgd" else "sma", "learners": self.k}
@@ -178,14 +188,16 @@ def grid(budget: Budget) -> list[Point]:
     return points
 
 
-def finalists(best: dict[tuple[str, str], Point]) -> dict[str, Point]:
-    """Each system's best point and the same-setting pairs with DDP's best, per layout, without repeats."""
+def finalists(best: dict[tuple[str, str], Point], compiled: tuple[str, ...] = ()) -> dict[str, Point]:
+    """Each system's best point, the same-setting pairs with DDP's best, and the `compiled` systems' best points
+    with `--compile`, per layout, without repeats."""
     chosen = {}
     for layout in dict.fromkeys(layout for layout, _ in best):
         ddp = best[(layout, "ddp")]
         mine = [best[(layout, system)] for system in SYSTEMS]
         pairs = [p for point in mine[1:] for p in (point.at(ddp), ddp.at(point))]
-        chosen |= {point.name: point for point in mine + pairs if point.name not in chosen}
+        compiles = [dataclasses.replace(best[(layout, system)], compile=True) for system in compiled]
+        chosen |= {point.name: point for point in mine + pairs + compiles if point.name not in chosen}
     return chosen
 
 
@@ -290,7 +302,7 @@ def measure(options: harness.Options) -> harness.Report:
     missing = harness.progress("grid", grid_runs, len(points))
     if missing:
         return report(budget, best, {}, grid_rows, runs, missing + ["finalists and throughput not started"])
-    final = finalists(best)
+    final = finalists(best, budget.compiled)
     harness.log(f"tta: {len(final)} finalists × {options.reps} seeds")
     final_runs = harness.interleave(
         {
@@ -311,6 +323,8 @@ def measure(options: harness.Options) -> harness.Report:
     missing += harness.progress("throughput", speed_runs, len(SPEED_SYSTEMS) * len(budget.layouts) * options.reps)
 
     def role(point: Point) -> str:
+        if point.compile:
+            return "compiled"
         return "best" if best[(point.layout, point.system)] == point else "pair"
 
     rows = grid_rows + race_rows("final", final, final_runs, best, role) + speed_rows

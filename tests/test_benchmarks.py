@@ -213,7 +213,10 @@ def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
     from benchmarks import harness
 
     benchmark = importlib.import_module(f"benchmarks.{name}")
-    monkeypatch.setattr(benchmark, "QUICK", dataclasses.replace(benchmark.QUICK, lrs_at_16=(0.01, 0.02)))
+    quick = dataclasses.replace(benchmark.QUICK, lrs_at_16=(0.01, 0.02))
+    if name == "tta":
+        quick = dataclasses.replace(quick, compiled=("ddp", "ssgd"))
+    monkeypatch.setattr(benchmark, "QUICK", quick)
     clock = [0.0]
 
     def run(path, budget_s):
@@ -231,3 +234,7 @@ def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
         calls += more
         chunks += 1
     assert chunks >= 3 and calls == whole_calls and partial.rows == whole.rows
+    if name == "tta":
+        compiled = [row for row in whole.rows if row["role"] == "compiled"]
+        assert sorted(row["system"] for row in compiled) == ["ddp", "ssgd"]
+        assert sum(1 for _, _, flags in whole_calls if flags.get("compile")) == 2 * 2, "2 systems × 2 seeds"
