@@ -10,7 +10,8 @@ and trains k = A/(P·b) learners per rank, at α ∈ {0.1, 1/k, 1/(k·P)}.
 1. Grid (seed 1): each setting (algorithm, A, k, α) trains at every learning rate {0.0025, 0.005, 0.01, 0.02,
    0.04} × b/16 (per learner for SMA), likeliest first, the settings interleaved point by point. A run stops once
    it has trained as many epochs as its setting's best run so far needed (harness.Pruner), since it can no longer
-   win.
+   win. A setting that diverged at every rate tries half its smallest, up to BELOW_GRID times, until one trains
+   (linear scaling puts every rate of S-SGD's b = 512 above its stable range).
 2. Finalists (seeds 2 … reps + 1, fresh), interleaved: every setting at its best learning rate (fewest epochs;
    none reaching the target: the most accurate). Rows give the median epochs, their spread (min, max; max "-"
    when a seed did not reach the target) and the ratio to S-SGD's at the same A; settings["answer"] names the
@@ -27,6 +28,7 @@ both phases with 4 launches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +41,9 @@ ALPHA_RULES = {"0.1": lambda k: 0.1, "1/k": lambda k: 1 / k, "1/kP": lambda k: 1
 """SMA's α as a function of its learners per rank k."""
 GRID_SEEDS = 1
 """Seeds of the grid (seed 1); the finalists run on the seeds after them."""
+BELOW_GRID = 3
+"""How many times a setting that diverged at every learning rate it tried halves its smallest one: the grid's
+linear scaling with the batch can put every rate of a large batch above its stable range."""
 
 
 @dataclass
@@ -129,6 +134,20 @@ def grid(budget: Budget) -> list[Point]:
     return points
 
 
+def below_grid(points: dict[str, Point], runs: list[dict]) -> dict[str, Point]:
+    """Each setting whose every run diverged, at half its smallest learning rate."""
+    diverged: dict[tuple, bool] = {}
+    for run in runs:
+        setting = points[run["variant"]].setting
+        diverged[setting] = diverged.get(setting, True) and bool(run.get("diverged"))
+    lowest: dict[tuple, Point] = {}
+    for point in points.values():
+        if diverged.get(point.setting) and (point.setting not in lowest or point.lr < lowest[point.setting].lr):
+            lowest[point.setting] = point
+    halved = [dataclasses.replace(point, lr=point.lr / 2) for point in lowest.values()]
+    return {point.name: point for point in halved}
+
+
 def final_rows(finalists: dict[str, Point], runs: list[dict]) -> list[dict]:
     """One row per finalist with runs: median epochs, their spread, and the ratio to S-SGD's at its aggregate."""
     summary = {name: harness.train_row(runs, name) for name in harness.measured(finalists, runs)}
@@ -185,10 +204,11 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     lines = dict.fromkeys((row["algorithm"], row["alpha_rule"]) for row in rows)
-    for (algorithm, rule), marker in zip(lines, "osD^v"):
+    for index, ((algorithm, rule), marker) in enumerate(zip(lines, "osD^v")):
         mine = [row for row in rows if (row["algorithm"], row["alpha_rule"]) == (algorithm, rule)]
+        shift = 2 ** (0.05 * (index - (len(lines) - 1) / 2))  # side by side, so that equal medians stay apart
         reached = [row for row in mine if row["epochs"] is not None]
         label = algorithm if rule is None else f"{algorithm} α={rule}"
         bars = [
@@ -196,30 +216,28 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
             [(row["max"] or budget.epochs) - row["epochs"] for row in reached],
         ]
         line = ax.errorbar(
-            [row["aggregate"] for row in reached],
+            [row["aggregate"] * shift for row in reached],
             [row["epochs"] for row in reached],
             yerr=bars,
             marker=marker,
             capsize=3,
             label=label,
         )
-        missed = [row["aggregate"] for row in mine if row["epochs"] is None]
-        if missed:
-            ax.scatter(
-                missed,
-                [budget.epochs] * len(missed),
-                marker=marker,
-                facecolors="none",
-                edgecolors=line.lines[0].get_color(),
-                label=f"{label}: not reached in {budget.epochs:g} epochs",
-            )
+        missed = [row for row in mine if row["epochs"] is None]
+        for diverged, how in ((False, f"not reached in {budget.epochs:g} epochs"), (True, "diverged")):
+            at = [row["aggregate"] * shift for row in missed if (row["accuracy"] is None) == diverged]
+            if at:
+                color = line.lines[0].get_color()
+                hollow = {"marker": marker, "facecolors": "none", "edgecolors": color}
+                style = {"marker": "x", "color": color} if diverged else hollow
+                ax.scatter(at, [budget.epochs] * len(at), label=f"{label}: {how}", **style)
     ax.set_xscale("log", base=2)
     ax.set_xticks(budget.aggregates, [str(a) for a in budget.aggregates])
     ax.set_ylim(bottom=0)
     ax.set_xlabel("aggregate batch k·P·b")
     ax.set_ylabel(f"epochs to {budget.target_accuracy:.0%} (median, min–max)")
     ax.set_title(f"{budget.model} on {budget.dataset}, P = {RANKS}, each at its best lr")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -232,19 +250,28 @@ def measure(options: harness.Options) -> harness.Report:
     points = {point.name: point for point in grid(budget)}
     harness.log(f"stat_efficiency: grid of {len(points)} points")
     pruner = harness.Pruner(options.store, "grid", "epochs", "epochs")
-    grid_runs = harness.interleave(
-        {
-            name: pruner.seeded(point.setting, "crossbow", RANKS, {**common, **point.flags()}, budget.timeout_s)
-            for name, point in points.items()
-        },
-        GRID_SEEDS,
-    )
+
+    def tune(grid_points: dict[str, Point]) -> list[dict]:
+        return harness.interleave(
+            {
+                name: pruner.seeded(point.setting, "crossbow", RANKS, {**common, **point.flags()}, budget.timeout_s)
+                for name, point in grid_points.items()
+            },
+            GRID_SEEDS,
+        )
+
+    grid_runs = tune(points)
+    missing = harness.progress("grid", grid_runs, len(points))
+    for _ in range(BELOW_GRID):
+        lower = {} if missing else below_grid(points, grid_runs)
+        points |= lower
+        grid_runs += tune(lower)
+        missing = harness.progress("grid", grid_runs, len(points))
     grid_rows = [
         {**dict.fromkeys(COLUMNS), **row_keys("grid", point), **harness.train_row(grid_runs, name)}
         for name, point in harness.measured(points, grid_runs).items()
     ]
     runs = [{"phase": "grid", **run} for run in grid_runs]
-    missing = harness.progress("grid", grid_runs, len(points))
     best = {} if missing else harness.best_of(points, grid_runs, lambda point: point.setting, "epochs")
     finalists = {point.name: point for point in best.values()}
     if finalists:

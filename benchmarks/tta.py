@@ -188,7 +188,7 @@ def grid(budget: Budget) -> list[Point]:
     return points
 
 
-def finalists(best: dict[tuple[str, str], Point], compiled: tuple[str, ...] = ()) -> dict[str, Point]:
+def finalists(best: dict[tuple[str, str], Point], compiled: tuple[str, ...]) -> dict[str, Point]:
     """Each system's best point, the same-setting pairs with DDP's best, and the `compiled` systems' best points
     with `--compile`, per layout, without repeats."""
     chosen = {}

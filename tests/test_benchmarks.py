@@ -238,3 +238,26 @@ def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
         compiled = [row for row in whole.rows if row["role"] == "compiled"]
         assert sorted(row["system"] for row in compiled) == ["ddp", "ssgd"]
         assert sum(1 for _, _, flags in whole_calls if flags.get("compile")) == 2 * 2, "2 systems × 2 seeds"
+
+
+@pytest.mark.parametrize("stable_below, tried", [(0.006, [0.02, 0.01, 0.005]), (0.0, [0.02, 0.01, 0.005, 0.0025])])
+def test_a_setting_that_diverges_at_every_grid_rate_tries_lower_ones_until_one_trains(stable_below, tried, tmp_path):
+    from benchmarks import harness, stat_efficiency
+
+    clock = [0.0]
+    fake, calls = fake_training(clock)
+
+    def runner(trainer, ranks, flags, timeout):
+        if flags["lr"] > stable_below:
+            calls.append((trainer, ranks, flags))
+            return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
+        return fake(trainer, ranks, flags, timeout)
+
+    store = harness.PointStore(tmp_path / "s.jsonl", "stat_efficiency", None, runner, lambda: clock[0])
+    report = stat_efficiency.measure(harness.Options("stat_efficiency", True, tmp_path, 1, store))
+    ssgd = [flags["lr"] for _, _, flags in calls if flags["algorithm"] == "ssgd"]
+    assert ssgd[:-1] == tried, "the grid's rate, then the rates below it (the last call: the finalist)"
+    final = [row for row in report.rows if row["phase"] == "final" and row["algorithm"] == "ssgd"]
+    assert not report.missing and len(final) == 1
+    if stable_below:
+        assert final[0]["lr"] == tried[-1] and final[0]["reached"] == "1/1"
