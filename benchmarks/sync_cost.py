@@ -68,7 +68,7 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.algorithms import SynchronousModelAveraging
     from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.flat import FlatLayout
-    from crossbow_mpi.kernels import build_fused_step
+    from crossbow_mpi.kernels import fuse
     from crossbow_mpi.learners import CentralModel, Learners
     from crossbow_mpi.models import build_model
     from crossbow_mpi.state import HyperParams
@@ -90,7 +90,8 @@ def worker(settings: dict) -> dict:
             learners = Learners(model_fn, layout, central, LEARNERS)
             learners.grads.normal_(std=1e-3)
             sma = SynchronousModelAveraging(HyperParams.from_config(Config()), transport, central, learners)
-            sma.fused_update = build_fused_step("sma", torch.device("cpu")) if fused else None
+            if fused:
+                fuse(sma, torch.device("cpu"))
             return sma
 
         sma, fused, alone = sma_over(comm, False), sma_over(comm, True), sma_over(MpiCommunicator(MPI.COMM_SELF), True)

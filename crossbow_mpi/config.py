@@ -146,9 +146,9 @@ class Config:
     """torch.compile each learner's forward and backward pass (needs a C++ compiler); the first step compiles,
     and its seconds are the summary's `compile_s`."""
     fused_step: bool = False
-    """SMA and S-SGD (and auto, when it trains with one of them): run the step's update as one fused pass over
-    memory (torch.compile's code on a CPU with a C++ compiler, a CuPy kernel on CUDA), with the default step's
-    bits; the first step compiles it."""
+    """SMA and S-SGD (and auto, when it trains with one of them): run the learners' and the central updates each as
+    one fused pass over memory (torch.compile's code on a CPU with a C++ compiler, CuPy kernels on CUDA), with the
+    default step's bits; the first step compiles them."""
     threads: int | tuple[int, ...] = 0
     """Intra-op threads per rank, one value or one per rank; 0: the CPUs the rank is bound to, shared with the
     node's ranks bound to them."""

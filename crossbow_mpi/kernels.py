@@ -1,5 +1,5 @@
-"""Fused kernels: SMA's learner step and S-SGD's central step each in one pass over memory, with the bits of the
-in-place sequences they replace; and the C++ compiler that torch.compile needs on a CPU.
+"""Fused kernels: SMA's learner and central steps and S-SGD's central step each in one pass over memory, with the
+bits of the in-place sequences they replace; and the C++ compiler that torch.compile needs on a CPU.
 
 A fused step rounds exactly where its in-place sequence does. PyTorch computes `a.add_(b, alpha=s)` as one
 multiply-add, fma(b, s, a); every other product, sum and quotient is rounded on its own. So, per element:
@@ -8,6 +8,10 @@ SMA, each learner's row (g is read, not written back: the next backward pass rep
     g' = fma(w, λ, g);  v ← fma(g', −η, μ v);  c = α (w − z);  w ← (w + v) − c
 reading w, v, g (and z once per column) and writing w, v and c: six passes over k·n floats where the in-place
 sequence makes eighteen.
+
+SMA, z and its momentum u, with the summed corrections d (d is read, not written back: the next sum replaces it)
+    u ← fma(u, μ_z, d);  z ← z + u
+reading d, u, z and writing u, z: five passes where the in-place sequence makes eight.
 
 S-SGD, z and its momentum u, with the summed gradient g of n learners' weight
     u ← μ u + fma(z, λ, g / n);  z ← fma(u, −η, z)
@@ -32,6 +36,8 @@ from crossbow_mpi.config import ConfigError
 
 SmaUpdate = Callable[..., None]
 """update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha): one fused SMA learner step, in place."""
+SmaCentralUpdate = Callable[..., None]
+"""update(d, z, u, central_momentum): one fused SMA step of z and u by the summed corrections d, in place."""
 SsgdUpdate = Callable[..., None]
 """update(g, carried, z, u, lr, weight_decay, momentum): one fused S-SGD step of z and u, in place."""
 
@@ -56,6 +62,12 @@ def _sma_update(w, v, g, z, corrections, hp) -> None:
     w.copy_((w + v_new) - c)
 
 
+def _sma_central_update(d, z, u, hp) -> None:
+    u_new = torch.ops.prims.fma(u, hp[0], d)
+    u.copy_(u_new)
+    z.copy_(z + u_new)
+
+
 def _ssgd_update(g, carried, z, u, hp) -> None:
     lr, weight_decay, momentum = hp[0], hp[1], hp[2]
     u_new = u * momentum + torch.ops.prims.fma(z, weight_decay, g / carried)
@@ -78,6 +90,11 @@ def _numbers(like: torch.Tensor, *values: float) -> torch.Tensor:
 def compiled_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) -> None:
     """Run the fused SMA step as torch.compile's code; compiled at the first call."""
     _compiled(_sma_update)(w, v, g, z, corrections, _numbers(w, lr, weight_decay, momentum, alpha))
+
+
+def compiled_sma_central_update(d, z, u, central_momentum) -> None:
+    """Run the fused SMA central step as torch.compile's code; compiled at the first call."""
+    _compiled(_sma_central_update)(d, z, u, _numbers(z, central_momentum))
 
 
 def compiled_ssgd_update(g, carried, z, u, lr, weight_decay, momentum) -> None:
@@ -106,6 +123,14 @@ CUPY_SMA_UPDATE = (
     "crossbow_sma_update",
 )
 """The fused SMA step as a CuPy ElementwiseKernel (inputs, outputs, body, name); z broadcasts over the rows."""
+
+CUPY_SMA_CENTRAL_UPDATE = (
+    "T d, T central_momentum",
+    "T z, T u",
+    "T u_new = fma(u, central_momentum, d); u = u_new; z = add_rn(z, u_new);",
+    "crossbow_sma_central_update",
+)
+"""The fused SMA central step as a CuPy ElementwiseKernel."""
 
 CUPY_SSGD_UPDATE = (
     "T g, raw T carried, T lr, T weight_decay, T momentum",
@@ -140,23 +165,42 @@ def cupy_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) 
     _run_cupy(CUPY_SMA_UPDATE, w, (g, z), (lr, weight_decay, momentum, alpha), (w, v, corrections))
 
 
+def cupy_sma_central_update(d, z, u, central_momentum) -> None:
+    """Run the fused SMA central step as one CuPy kernel on torch's current stream."""
+    _run_cupy(CUPY_SMA_CENTRAL_UPDATE, z, (d,), (central_momentum,), (z, u))
+
+
 def cupy_ssgd_update(g, carried, z, u, lr, weight_decay, momentum) -> None:
     """Run the fused S-SGD step as one CuPy kernel on torch's current stream."""
     _run_cupy(CUPY_SSGD_UPDATE, z, (g, carried), (lr, weight_decay, momentum), (z, u))
 
 
-FUSED = {"sma": (compiled_sma_update, cupy_sma_update), "ssgd": (compiled_ssgd_update, cupy_ssgd_update)}
-"""Each algorithm's fused step: (torch.compile's, CuPy's)."""
+FUSED = {
+    "sma": {
+        "fused_update": (compiled_sma_update, cupy_sma_update),
+        "fused_central": (compiled_sma_central_update, cupy_sma_central_update),
+    },
+    "ssgd": {"fused_update": (compiled_ssgd_update, cupy_ssgd_update)},
+}
+"""Each algorithm's fused steps, by the algorithm's attribute that holds one: (torch.compile's, CuPy's)."""
 
 
-def build_fused_step(algorithm: str, device: torch.device) -> Callable[..., None] | None:
-    """Return the algorithm's fused step for the device: torch.compile's C++ code on a CPU with a C++ compiler, a
-    CuPy kernel on CUDA; None where neither is available, so that the in-place sequence runs."""
-    compiled, cupy_update = FUSED[algorithm]
+def build_fused_steps(algorithm: str, device: torch.device) -> dict[str, Callable[..., None]]:
+    """Return the algorithm's fused steps for the device by attribute: torch.compile's C++ code on a CPU with a C++
+    compiler, CuPy kernels on CUDA; none for an algorithm without any, or where neither is available, so that the
+    in-place sequences run."""
     if device.type == "cuda":
         try:
             import cupy  # noqa: F401
         except ImportError:
-            return None
-        return cupy_update
-    return compiled if cxx_compiler() is not None else None
+            return {}
+        return {attribute: cupy_update for attribute, (_, cupy_update) in FUSED.get(algorithm, {}).items()}
+    if cxx_compiler() is None:
+        return {}
+    return {attribute: compiled for attribute, (compiled, _) in FUSED.get(algorithm, {}).items()}
+
+
+def fuse(algorithm, device: torch.device) -> None:
+    """Give an Algorithm its fused steps for the device, where it has any and they are available."""
+    for attribute, step in build_fused_steps(algorithm.name, device).items():
+        setattr(algorithm, attribute, step)

@@ -575,8 +575,9 @@ def train(ranks: int, flags: dict) -> list[dict]:
 
 def measure_efficiency(args: argparse.Namespace) -> Path:
     """Train S-SGD to `--target-accuracy` at aggregate batches B, 4B and 16B (B, 4B with --quick) on one rank
-    (S-SGD at aggregate batch B on P ranks is SGD at batch B), the learning rate scaled by √(B/64) from 0.01 as in
-    benchmarks/stat_efficiency.py; write the epochs each took as a stat-efficiency results file and return it."""
+    (S-SGD at aggregate batch B on P ranks is SGD at batch B), the learning rate scaled by √(B/64) from 0.01 (one
+    run per batch, not tuned as benchmarks/stat_efficiency.py tunes it); write the epochs each took as a
+    stat-efficiency results file and return it."""
     aggregates = [args.batch_size * f for f in ((1, 4) if args.quick else (1, 4, 16))]
     rows = []
     for aggregate in aggregates:

@@ -21,7 +21,7 @@ from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.engines import LearnerEngine
 from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.imbalance import Imbalance
-from crossbow_mpi.kernels import FUSED, build_fused_step
+from crossbow_mpi.kernels import fuse
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams, TrainState
 from crossbow_mpi.topology import Topology
@@ -97,8 +97,8 @@ class Run:
         algorithm = ALGORITHMS[name]
         transport = build_transport(algorithm.transport_kind, self.topology.data, self.config, self.topology.group)
         built = algorithm(self.hp, transport, self.central, self.learners)
-        if self.config.fused_step and name in FUSED:
-            built.fused_update = build_fused_step(name, self.central.z.device)
+        if self.config.fused_step:
+            fuse(built, self.central.z.device)
         return built
 
     @property

@@ -13,7 +13,7 @@ from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.algorithms import SynchronousModelAveraging, SynchronousSGD
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.kernels import build_fused_step, cxx_compiler
+from crossbow_mpi.kernels import build_fused_steps, cxx_compiler, fuse
 from crossbow_mpi.learners import CentralModel, Learners
 from crossbow_mpi.state import HyperParams
 from crossbow_mpi.trainer import FitResult
@@ -27,23 +27,26 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10))
 
 
-def sma_step(fused_update, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
-    """Return (w, v, staged corrections) after one local step of SMA on random rows."""
+def sma_step(fused: bool, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
+    """Return (w, v, staged corrections, z, u) after one step of SMA (local steps and sync) on random rows."""
     torch.manual_seed(0)
     layout = FlatLayout(mlp().to(dtype))
     central = CentralModel(mlp().to(dtype), layout)
     learners = Learners(lambda: mlp().to(dtype), layout, central, k)
     learners.weights.normal_()
     learners.momentum.normal_(std=0.01)
+    central.u.normal_(std=0.01)
     sma = SynchronousModelAveraging(HyperParams.from_config(Config()), self_comm(), central, learners)
-    sma.fused_update = fused_update
+    if fused:
+        fuse(sma, torch.device("cpu"))
     sma.allocate_message()
     learners.grads.normal_(std=1e-2)
     sma.local_step(slice(None), lr=0.05)
-    return learners.params, learners.momentum, sma.staged[:, : layout.num_params]
+    sma.sync(lr=0.05)
+    return learners.params, learners.momentum, sma.staged[:, : layout.num_params], central.z, central.u
 
 
-def ssgd_step(fused_update, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
+def ssgd_step(fused: bool, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
     """Return (z, u, the learners' weights) after one S-SGD step of k learners on random gradients."""
     torch.manual_seed(0)
     layout = FlatLayout(mlp().to(dtype))
@@ -51,7 +54,8 @@ def ssgd_step(fused_update, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tenso
     learners = Learners(lambda: mlp().to(dtype), layout, central, k)
     central.u.normal_(std=0.01)
     ssgd = SynchronousSGD(HyperParams.from_config(Config()), self_comm(), central, learners)
-    ssgd.fused_update = fused_update
+    if fused:
+        fuse(ssgd, torch.device("cpu"))
     learners.grads.normal_(std=1e-2)
     ssgd.step(lr=0.05)
     return central.z, central.u, learners.state_dict()["weights"]
@@ -62,8 +66,14 @@ def ssgd_step(fused_update, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tenso
 @pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
 def test_the_fused_step_gives_the_bits_of_the_in_place_step(algorithm, dtype):
     step = {"sma": sma_step, "ssgd": ssgd_step}[algorithm]
-    fused = build_fused_step(algorithm, torch.device("cpu"))
-    for name, in_place, fused_value in zip("abc", step(None, dtype), step(fused, dtype)):
+    assert (
+        set(build_fused_steps(algorithm, torch.device("cpu")))
+        == {
+            "sma": {"fused_update", "fused_central"},
+            "ssgd": {"fused_update"},
+        }[algorithm]
+    )
+    for name, in_place, fused_value in zip("abcde", step(False, dtype), step(True, dtype)):
         assert torch.equal(fused_value, in_place), f"output {name} differs"
 
 
@@ -79,7 +89,7 @@ def test_a_run_with_the_fused_step_ends_with_the_bits_of_a_run_without(tmp_path,
 
 def test_a_fused_step_without_a_compiler_keeps_the_in_place_step(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
-    assert build_fused_step("sma", torch.device("cpu")) is None
+    assert build_fused_steps("sma", torch.device("cpu")) == {}
 
 
 def short_run(tmp: Path, name: str, **changes) -> tuple[FitResult, dict]:

@@ -7,8 +7,8 @@ Sync, every iteration:
 At a learning-rate drop every learner is reset to z.
 
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
-`--fused-step` the learners' update, correction and staging run as one fused kernel with the same bits
-(crossbow_mpi.kernels).
+`--fused-step` the learners' update, correction and staging run as one fused kernel, and the central update as
+another, with the same bits (crossbow_mpi.kernels).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
-from crossbow_mpi.kernels import SmaUpdate
+from crossbow_mpi.kernels import SmaCentralUpdate, SmaUpdate
 
 
 class SynchronousModelAveraging(Algorithm):
@@ -24,6 +24,8 @@ class SynchronousModelAveraging(Algorithm):
     overlaps_sync = True
     fused_update: SmaUpdate | None = None
     """The fused learner step (`--fused-step`), or None for the in-place sequence (the same bits)."""
+    fused_central: SmaCentralUpdate | None = None
+    """The fused central step (`--fused-step`), or None for the in-place sequence (the same bits)."""
 
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners, z = self.hp, self.learners, self.central.params
@@ -40,6 +42,9 @@ class SynchronousModelAveraging(Algorithm):
     def sync(self, lr: float) -> None:
         central = self.central
         dz, _ = self.allreduce_staged()
+        if self.fused_central is not None:
+            self.fused_central(dz, central.params, central.u, self.hp.central_momentum)
+            return
         dz.add_(central.u, alpha=self.hp.central_momentum)
         central.u.copy_(dz)
         central.params.add_(dz)

@@ -267,6 +267,25 @@ def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_the_cupy_fused_sma_central_step_gives_the_bits_of_the_in_place_step(comm):
+    pytest.importorskip("cupy")
+    from crossbow_mpi.kernels import cupy_sma_central_update
+
+    device = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    torch.manual_seed(0)
+    n, central_momentum = 10_000, 0.9
+    d0, z0, u0 = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(n, device=device) * 0.01
+    d, z, u = d0.clone(), z0.clone(), u0.clone()
+    d.add_(u, alpha=central_momentum)
+    u.copy_(d)
+    z.add_(d)
+    fz, fu = z0.clone(), u0.clone()
+    cupy_sma_central_update(d0, fz, fu, central_momentum)
+    torch.cuda.current_stream(device).synchronize()
+    assert torch.equal(fz, z) and torch.equal(fu, u)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_the_cupy_fused_ssgd_step_gives_the_bits_of_the_in_place_step(comm):
     pytest.importorskip("cupy")
     from crossbow_mpi.kernels import cupy_ssgd_update
