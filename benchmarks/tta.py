@@ -24,18 +24,17 @@ device that a single small-batch learner cannot fill; SMA's learners share it on
    α in each layout, interleaved, training steps only (`--learners auto` is left out: its k is chosen during
    the run; benchmarks/learners.py measures that).
 
-Duration of the full run (estimated, not measured: 2 cores, nothing else running). The grid has 135 points per
-layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all. A LeNet run costs about 70 s with its launch (the
-old grid's 24 runs took 28 min): it reaches 99 % or is stopped near its system's best time (at the first
-evaluation past it), so the grid takes ≈ 270 × 70–90 s ≈ 5–7 h. The finalists are
-7–13 variants per layout × 5 seeds × ≈ 70 s ≈ 1.5–2.5 h; the throughput phase 3 systems × 2 layouts × 5 seeds of
-≈ 20 s ≈ 10 min. In all ≈ 7–9 h, so it runs in chunks: `--budget-minutes 45` runs the next points in the order
-above until 45 minutes cannot hold another (by the longest run of its phase so far; the first run of a phase by
-its 15-minute timeout), keeps every finished run in OUT/tta.points.jsonl with its commit, date and load, and
-reports what that store holds (the grid's pruning limits come from the stored runs, so the chunks add up to one
-long run). About 40 useful minutes a chunk: ≈ 11–14 chunks of 45 minutes (grid ≈ 8–11, finalists 2–3, throughput
-1). `--quick` (mlp, synthetic data, b 16, 2 learning rates, k = 2, α 0.1,
-the 1 × 2 layout only, 1 seed) checks every phase with about 15 launches.
+Duration of the full run (measured 2026-12-01/02, 2 cores, nothing else running; the runs' own seconds,
+launches included). The grid has 135 points per layout (15 each for DDP, S-SGD and auto; 90 for SMA), 270 in all:
+206 min, 46 s a run (a run reaches 99 % or is stopped near its system's best time, at the first evaluation past
+it; the lr 0.16 runs mostly diverge within seconds). The finalists (here 12 variants per layout, a number that
+depends on the bests) × 5 seeds run to the target unpruned: 198 min, 99 s a run. The throughput phase, 3 systems ×
+2 layouts × 5 seeds: 23 min, 45 s a run. In all ≈ 7 h, so it runs in chunks: `--budget-minutes 45` runs the next
+points in the order above until 45 minutes cannot hold another (by the longest run of its phase so far; the first
+run of a phase by its 15-minute timeout), keeps every finished run in OUT/tta.points.jsonl with its commit, date
+and load, and reports what that store holds (the grid's pruning limits come from the stored runs, so the chunks
+add up to one long run); longer budgets waste less at the chunks' ends. `--quick` (mlp, synthetic data, b 16,
+2 learning rates, k = 2, α 0.1, the 1 × 2 layout only, 1 seed) checks every phase with about 15 launches.
 """
 
 from __future__ import annotations
