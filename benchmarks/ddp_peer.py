@@ -25,8 +25,8 @@ from torch.utils.data import DistributedSampler
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
-from crossbow_mpi.kernels import require_compiler
 from crossbow_mpi.models import build_model
+from crossbow_mpi.replicas.kernels import require_compiler
 
 EVAL_BATCH = 1000
 

@@ -102,11 +102,11 @@ def sync_cost() -> list[dict]:
     """Microseconds per call on one rank: NCCL's allreduce (one rank moves no data, so this is the call's cost),
     the host staging that `--comm mpi` adds to every allreduce of a GPU buffer (to the host and back), and a
     plain device copy of the same bytes."""
-    from crossbow_mpi import runtime
     from crossbow_mpi.comm.nccl import NcclCommunicator
+    from crossbow_mpi.runtime import process
 
     device = torch.device("cuda", 0)
-    nccl = NcclCommunicator(runtime.mpi().COMM_WORLD, device)  # MPI starts here, with the threads the trainer needs
+    nccl = NcclCommunicator(process.mpi().COMM_WORLD, device)  # MPI starts here, with the threads the trainer needs
     rows = []
     for mib in (1, 16, 256):
         tensor = torch.ones(mib * 2**18, device=device)

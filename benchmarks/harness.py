@@ -191,11 +191,11 @@ def main(
 
 
 def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:
-    from crossbow_mpi import runtime
+    from crossbow_mpi.runtime import process
 
-    runtime.install_abort_on_failure()
+    process.install_abort_on_failure()
     result = worker(json.loads(settings_path.read_text()))
-    if runtime.mpi().COMM_WORLD.Get_rank() == 0:
+    if process.mpi().COMM_WORLD.Get_rank() == 0:
         result_path.write_text(json.dumps(result))
 
 
@@ -504,10 +504,11 @@ def mnist(test_samples: int):
 def crossbow_samples_per_s(config, model_fn, train_set, test_set) -> float:
     """Train with crossbow_mpi's Trainer inside this MPI job, in a fresh run directory shared by the ranks;
     return the training samples/s of its last evaluation window (evaluations excluded) on every rank."""
-    from crossbow_mpi import Trainer, runtime
+    from crossbow_mpi import Trainer
     from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.runtime import process
 
-    comm = MpiCommunicator(runtime.mpi().COMM_WORLD)
+    comm = MpiCommunicator(process.mpi().COMM_WORLD)
     run_dir = comm.bcast_json(tempfile.mkdtemp(prefix="bench-run-") if comm.rank == 0 else None)
     Trainer(dataclasses.replace(config, run_dir=run_dir), comm).fit(model_fn, train_set, test_set)
     rate = None

@@ -112,11 +112,12 @@ def worker(settings: dict) -> dict:
     import numpy as np
     import torch
 
-    from crossbow_mpi import Config, runtime
+    from crossbow_mpi import Config
     from crossbow_mpi.data import ArrayDataset, build_dataset
     from crossbow_mpi.models import build_model
+    from crossbow_mpi.runtime import process
 
-    MPI = runtime.mpi()
+    MPI = process.mpi()
     world = MPI.COMM_WORLD
     torch.set_num_threads(1)
     n = settings["matmul_n"]

@@ -56,8 +56,8 @@ def worker(settings: dict) -> dict:
 
     from crossbow_mpi import Config, Trainer
     from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.control.learner_tuner import WARMUP_STEPS
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.tuner import WARMUP_STEPS
 
     comm = MpiCommunicator(MPI.COMM_WORLD)
     world = comm.size

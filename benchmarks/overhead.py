@@ -103,9 +103,10 @@ class CrossbowLoop:
     """crossbow_mpi's S-SGD run (built by `Trainer.start`) on one rank, stepped by `Run.train_step`."""
 
     def __init__(self, train_set, batch: int, threads: int, seed: int, fused: bool):
-        from crossbow_mpi import Config, Trainer, runtime
+        from crossbow_mpi import Config, Trainer
         from crossbow_mpi.comm import MpiCommunicator
         from crossbow_mpi.models import build_model
+        from crossbow_mpi.runtime import process
 
         config = Config(
             algorithm="ssgd",
@@ -116,7 +117,7 @@ class CrossbowLoop:
             seed=seed,
             fused_step=fused,
         )
-        comm = MpiCommunicator(runtime.mpi().COMM_WORLD)
+        comm = MpiCommunicator(process.mpi().COMM_WORLD)
         model_fn = lambda: build_model("lenet", train_set.input_shape, train_set.num_classes)  # noqa: E731
         self.run = Trainer(config, comm).start(model_fn, train_set)
 
@@ -159,7 +160,7 @@ def profiled(loops: dict, steps: int) -> dict[str, dict]:
     """Run the default crossbow loop and the bare loop once more with timers around their parts; return each one's
     µs per step by part."""
     from crossbow_mpi.data.prefetch import BatchPrefetcher
-    from crossbow_mpi.engines import LearnerEngine
+    from crossbow_mpi.replicas.engines import LearnerEngine
 
     parts = Counter()
     with timed_methods(

@@ -12,4 +12,4 @@ for name in tta stat_efficiency eager throughput sync_cost overhead hw_limit hyb
     echo "== $name"
     python -m "benchmarks.$name" "$@"
 done
-python -m benchmarks.report
+python -m benchmarks.results_md

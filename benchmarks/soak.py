@@ -28,11 +28,12 @@ def worker(settings: dict) -> dict:
     """On every rank: train until the stop signal, sampling resident memory; rank 0 returns all samples."""
     from mpi4py import MPI
 
-    from crossbow_mpi import Config, Trainer, runtime
+    from crossbow_mpi import Config, Trainer
     from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.control.learner_tuner import resident_bytes
     from crossbow_mpi.data import build_dataset
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.tuner import resident_bytes
+    from crossbow_mpi.runtime import process
 
     comm = MpiCommunicator(MPI.COMM_WORLD)
     run_dir = comm.bcast_json(tempfile.mkdtemp(prefix="bench-soak-") if comm.rank == 0 else None)
@@ -43,7 +44,7 @@ def worker(settings: dict) -> dict:
         while not done.wait(settings["sample_every_s"]):
             samples.append((time.monotonic() - started, resident_bytes() / 2**20))
 
-    runtime.install_stop_signals()
+    process.install_stop_signals()
     threading.Timer(settings["duration_s"], lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()

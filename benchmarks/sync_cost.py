@@ -64,16 +64,17 @@ def worker(settings: dict) -> dict:
     import numpy as np
     import torch
 
-    from crossbow_mpi import Config, runtime
+    from crossbow_mpi import Config
     from crossbow_mpi.algorithms import SynchronousModelAveraging
     from crossbow_mpi.comm import MpiCommunicator
-    from crossbow_mpi.flat import FlatLayout
-    from crossbow_mpi.kernels import fuse
-    from crossbow_mpi.learners import CentralModel, Learners
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.state import HyperParams
+    from crossbow_mpi.replicas.flat import FlatLayout
+    from crossbow_mpi.replicas.kernels import fuse
+    from crossbow_mpi.replicas.learners import CentralModel, Learners
+    from crossbow_mpi.replicas.state import HyperParams
+    from crossbow_mpi.runtime import process
 
-    MPI = runtime.mpi()
+    MPI = process.mpi()
     comm = MpiCommunicator(MPI.COMM_WORLD)
     torch.set_num_threads(1)
     torch.manual_seed(1)

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from crossbow_mpi import runtime
 from crossbow_mpi.comm import MpiCommunicator
 from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
+from crossbow_mpi.runtime import process
 
 
 def main() -> None:
@@ -16,7 +16,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="61706,470218,4000000", help="vector lengths (LeNet, ResNet-32, 4M)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    world = runtime.mpi().COMM_WORLD
+    world = process.mpi().COMM_WORLD
     scopes = {"flat": MpiCommunicator(world), "node": HierarchicalCommunicator(world)}
     if world.rank == 0:
         print(f"ranks {world.size}, nodes {scopes['node'].nodes}")

@@ -14,13 +14,13 @@ from pathlib import Path
 from safetensors.torch import save
 from torch import nn
 
-from crossbow_mpi import checkpoint
 from crossbow_mpi.config import ArgumentParser, Config, ConfigError
 from crossbow_mpi.data import dataset_shape
-from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.models import build_model
-from crossbow_mpi.pipeline import load_stages, stage_modules
+from crossbow_mpi.parallel.pipeline import load_stages, stage_modules
+from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.train import EXIT_USER_ERROR
+from crossbow_mpi.training import checkpoint
 
 
 def read_config(run_dir: str) -> Config:

@@ -28,9 +28,9 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TypeVar
 
-from crossbow_mpi import projection
 from crossbow_mpi.config import CUTS
-from crossbow_mpi.projection import EpochCurve, Network, Workload
+from crossbow_mpi.planner import perf_model
+from crossbow_mpi.planner.perf_model import EpochCurve, Network, Workload
 
 INPUT_SHAPES = {"lenet": (1, 28, 28), "mlp": (1, 28, 28), "resnet32": (3, 32, 32)}
 DATASETS = {"lenet": "mnist", "mlp": "mnist", "resnet32": "synthetic-cifar"}
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allreduce",
         default="auto",
-        choices=projection.ALLREDUCES,
+        choices=perf_model.ALLREDUCES,
         help="allreduce model: ring, binomial tree, or auto: the faster per message size and N (default: auto)",
     )
     parser.add_argument(
@@ -157,7 +157,7 @@ def plan(args: argparse.Namespace) -> None:
     network = dataclasses.replace(network, allreduce=args.allreduce)
     curve, curve_source = epoch_curve(measure_efficiency(args) if args.measure_efficiency else args.efficiency)
     devices = [2**i for i in range(args.max_devices.bit_length()) if 2**i <= args.max_devices]
-    cells = projection.project(work, network, curve, devices, list(STAGES))
+    cells = perf_model.project(work, network, curve, devices, list(STAGES))
     print(describe(args, work, network, curve, curve_source))
     print(table(cells))
     record = {
@@ -186,7 +186,7 @@ def measure_workload(model_name: str, batch: int, micro_batches: int, reps: int,
     from torch import nn
 
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.stages import forward_backward_s, split_model, time_cut
+    from crossbow_mpi.parallel.partition import forward_backward_s, split_model, time_cut
 
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -228,7 +228,7 @@ def read_workload(path: Path) -> tuple[str, str, Workload]:
         record = json.loads(path.read_text())
         saved = {k: v for k, v in record["workload"].items() if k not in ("cut", "source")}
         stages = {int(m): tuple(values) for m, values in saved.pop("stages").items()}
-        link = projection.LinkCost(**saved.pop("link", {}))
+        link = perf_model.LinkCost(**saved.pop("link", {}))
         return record["model"], record["workload"]["cut"], Workload(**saved, stages=stages, link=link)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"--workload {path}: not a plan.json with a measured workload ({err})") from err
@@ -254,11 +254,11 @@ def sweep_allreduce(ranks: int, quick: bool, reps: int) -> Network:
     the ring model's α-β fit."""
     sizes = [4**i for i in range(1, 9 if quick else 11)]
     seconds = run_worker(ALLREDUCE_WORKER, ranks, sizes, 5 if quick else 30, reps)
-    return projection.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
+    return perf_model.fit_ring_allreduce([4 * n for n in sizes], seconds, ranks)
 
 
 def measure_link(work: Workload, quick: bool, reps: int) -> Workload:
-    """Return the workload with its stage link's cost (`projection.LinkCost`): the host seconds of a message
+    """Return the workload with its stage link's cost (`perf_model.LinkCost`): the host seconds of a message
     through pipeline.StageLink at each cut's size per micro-batch and empty, fitted, and the poll delay, measured
     by a ping-pong on two ranks under mpirun (the median of `reps` runs)."""
     micro = max(1, work.batch // work.micro_batches)
@@ -266,7 +266,7 @@ def measure_link(work: Workload, quick: bool, reps: int) -> Workload:
     if len(sizes) == 1:
         return work
     *seconds, poll_delay = run_worker(LINK_WORKER, 2, sizes, 20 if quick else 200, reps)
-    return dataclasses.replace(work, link=projection.fit_link(sizes, seconds, poll_delay))
+    return dataclasses.replace(work, link=perf_model.fit_link(sizes, seconds, poll_delay))
 
 
 def run_worker(worker: str, ranks: int, sizes: list[int], calls: int, reps: int) -> list[float]:
@@ -286,10 +286,10 @@ def allreduce_worker(sizes: list[int], calls: int, result: Path) -> None:
     median per call of each size."""
     import numpy as np
 
-    from crossbow_mpi import runtime
+    from crossbow_mpi.runtime import process
 
-    runtime.install_abort_on_failure()
-    MPI = runtime.mpi()
+    process.install_abort_on_failure()
+    MPI = process.mpi()
     comm = MPI.COMM_WORLD
     seconds = []
     for size in sizes:
@@ -315,13 +315,13 @@ def link_worker(sizes: list[int], calls: int, result: Path) -> None:
     of the longest poll, POLL_MAX_S plus the median oversleep of sleeping that long."""
     import torch
 
-    from crossbow_mpi import runtime
     from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.comm.base import POLL_MAX_S
-    from crossbow_mpi.pipeline import ACTIVATION, StageLink
+    from crossbow_mpi.parallel.pipeline import ACTIVATION, StageLink
+    from crossbow_mpi.runtime import process
 
-    runtime.install_abort_on_failure()
-    link = StageLink(MpiCommunicator(runtime.mpi().COMM_WORLD))
+    process.install_abort_on_failure()
+    link = StageLink(MpiCommunicator(process.mpi().COMM_WORLD))
     seconds = []
     for size in sizes:
         message, times = torch.ones(size // 4), []
@@ -381,11 +381,11 @@ def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
     aggregate batch. Without a file: the repository's results if they fit, else the default."""
     if path is None:
         if not EFFICIENCY_FILE.is_file():
-            return projection.DEFAULT_EPOCHS, "default (no stat-efficiency results)"
+            return perf_model.DEFAULT_EPOCHS, "default (no stat-efficiency results)"
         try:
             return epoch_curve(EFFICIENCY_FILE)
         except ValueError as err:  # the repository's own file, perhaps still being measured: not the user's mistake
-            return projection.DEFAULT_EPOCHS, f"default ({err})"
+            return perf_model.DEFAULT_EPOCHS, f"default ({err})"
     try:
         rows = [row for row in json.loads(path.read_text())["rows"] if row.get("epochs") is not None]
         ssgd = [row for row in rows if row.get("algorithm", "ssgd") == "ssgd"]
@@ -395,7 +395,7 @@ def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
             fewest[row["aggregate"]] = min(row["epochs"], fewest.get(row["aggregate"], math.inf))
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a stat-efficiency results file ({err})") from err
-    return projection.fit_epochs(list(fewest), list(fewest.values())), str(path)
+    return perf_model.fit_epochs(list(fewest), list(fewest.values())), str(path)
 
 
 def describe(args, work: Workload, network: Network, curve: EpochCurve, source: str) -> str:
@@ -419,9 +419,9 @@ def gbit_per_s(network: Network) -> float:
     return 8e-9 / network.seconds_per_byte if network.seconds_per_byte else float("inf")
 
 
-def table(cells: list[projection.Projection]) -> str:
+def table(cells: list[perf_model.Projection]) -> str:
     """One row per N: SU_DP, then SU_hybrid for each M with the ratio to DP and Pal et al.'s criterion."""
-    by_devices: dict[int, dict[int, projection.Projection]] = {}
+    by_devices: dict[int, dict[int, perf_model.Projection]] = {}
     for cell in cells:
         by_devices.setdefault(cell.devices, {})[cell.stages] = cell
     header = f"{'N':>5} {'SU_DP':>9}" + "".join(
@@ -465,7 +465,7 @@ def validation_row(ranks: int, stages: int, runs: list[ValidationRun]) -> dict:
     ranks outnumber this machine's cores) and compare it with their median step; keep every run's step."""
     work = median_workload([work for work, *_ in runs])
     network, measured, load = median_of([rest for _, *rest in runs])
-    projected = projection.hybrid_step_s(_slowed(work, max(1.0, ranks / (os.cpu_count() or 1))), ranks, stages, network)
+    projected = perf_model.hybrid_step_s(_slowed(work, max(1.0, ranks / (os.cpu_count() or 1))), ranks, stages, network)
     return {
         "load_average": load,
         "ranks": ranks,
@@ -642,7 +642,7 @@ def validation_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: list[projection.Projection], path: Path, title: str) -> None:
+def plot(cells: list[perf_model.Projection], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

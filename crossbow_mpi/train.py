@@ -9,9 +9,9 @@ import inspect
 import os
 import sys
 
-from crossbow_mpi import runtime
-from crossbow_mpi.checkpoint import CheckpointError
 from crossbow_mpi.config import ArgumentParser, Config, ConfigError, coerce, load_toml
+from crossbow_mpi.runtime import process
+from crossbow_mpi.training.checkpoint import CheckpointError
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -67,11 +67,11 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from crossbow_mpi.trainer import DivergenceError
+    from crossbow_mpi.training.trainer import DivergenceError
 
-    runtime.install_abort_on_failure()
-    runtime.install_stop_signals()
-    rank = runtime.mpi().COMM_WORLD.Get_rank()
+    process.install_abort_on_failure()
+    process.install_stop_signals()
+    rank = process.mpi().COMM_WORLD.Get_rank()
     try:
         config = parse_config(argv, quiet=rank != 0)
         return run(config, rank)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(config: Config, rank: int) -> int:
     from crossbow_mpi.data import build_dataset
     from crossbow_mpi.models import build_model
-    from crossbow_mpi.trainer import Trainer, agree
+    from crossbow_mpi.training.trainer import Trainer, agree
 
     trainer = Trainer(config)
     train_set, test_set = agree(trainer.comm, lambda: build_dataset(config.dataset, config.data_dir, config.seed))
@@ -121,5 +121,5 @@ def run(config: Config, rank: int) -> int:
 if __name__ == "__main__":
     code = main()
     if code == EXIT_PREEMPTED:
-        runtime.exit_promptly(code)
+        process.exit_promptly(code)
     sys.exit(code)

@@ -14,8 +14,8 @@ from test_eager import metrics_records, mlp_bn
 from test_omnivore import lockstep
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.checkpoint import list_checkpoints
-from crossbow_mpi.optimizer import AUTO_ALGORITHMS
+from crossbow_mpi.control.omnivore_search import AUTO_ALGORITHMS
+from crossbow_mpi.training.checkpoint import list_checkpoints
 
 from test_algorithms import STEPS, datasets, run_config
 

@@ -92,7 +92,7 @@ def test_quick_mode_writes_results(name, tmp_path):
         [
             sys.executable,
             "-m",
-            "benchmarks.report",
+            "benchmarks.results_md",
             "--results",
             str(tmp_path),
             "--output",

@@ -94,7 +94,7 @@ def test_stop_votes_let_a_fast_rank_run_ahead_of_a_slow_one(comm):
 def test_a_closed_watchdog_leaves_no_heartbeat_in_flight(comm):
     """Open MPI gives a freed communicator's id to the next one made: a heartbeat still in flight when the watchdog
     freed its channel would arrive on that one."""
-    from crossbow_mpi.watchdog import INTERVAL_S, Watchdog
+    from crossbow_mpi.runtime.watchdog import INTERVAL_S, Watchdog
 
     watchdog = Watchdog(comm, timeout=60)
     if comm.rank != 0:

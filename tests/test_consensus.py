@@ -5,7 +5,7 @@ from torch import nn
 
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.data import synthetic_dataset
-from crossbow_mpi.trainer import agree
+from crossbow_mpi.training.trainer import agree
 
 
 @pytest.mark.mpi(min_size=1)

@@ -15,9 +15,9 @@ from torch import nn
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
-from crossbow_mpi.comm.partial import PartialAllreduce
 from crossbow_mpi.config import EAGER_MODES, ConfigError
 from crossbow_mpi.train import parse_config
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 from conftest import REPO
 from test_algorithms import BATCH, STEPS, datasets, run_config

@@ -13,10 +13,10 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
-from crossbow_mpi.engines import ENGINES
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
+from crossbow_mpi.replicas.engines import ENGINES
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
 
 from conftest import self_comm
 from reference import relative_error, sma_reference

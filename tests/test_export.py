@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from crossbow_mpi import Config, Trainer
-from crossbow_mpi.checkpoint import list_checkpoints
-from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.data import build_dataset, dataset_names, dataset_shape, synthetic_dataset
 from crossbow_mpi.data.datasets import SHAPES
-from crossbow_mpi.flat import FlatLayout
 from crossbow_mpi.models import build_model
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.training.checkpoint import list_checkpoints
+from crossbow_mpi.training.hooks import evaluate_model
 
 from conftest import REPO, assert_user_error, run_job, run_tool, self_comm
 from test_algorithms import mlp_bn_float64

@@ -161,12 +161,12 @@ def test_a_stopped_rank_is_named_and_the_job_aborts(tmp_path):
 def test_sigterm_requests_the_same_checkpoint_and_stop_as_sigusr1():
     probe = (
         "import os, signal, time\n"
-        "from crossbow_mpi import runtime\n"
-        "runtime.install_stop_signals()\n"
-        "before = runtime.stop_requested()\n"
+        "from crossbow_mpi.runtime import process\n"
+        "process.install_stop_signals()\n"
+        "before = process.stop_requested()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(0.2)\n"
-        "print(before, runtime.stop_requested())\n"
+        "print(before, process.stop_requested())\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["False", "True"], done.stderr

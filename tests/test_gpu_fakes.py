@@ -18,9 +18,9 @@ from crossbow_mpi import ConfigError
 from crossbow_mpi.comm import MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.nccl import NcclCommunicator, unique_id_bytes, unique_id_for_cupy
-from crossbow_mpi.pipeline import NcclLink, PipelineEngine, PipelineStage, StageLink, build_link
-from crossbow_mpi.stages import param_cut, split_model
-from crossbow_mpi.tuner import AutoTuner, Policy
+from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
+from crossbow_mpi.parallel.partition import param_cut, split_model
+from crossbow_mpi.parallel.pipeline import NcclLink, PipelineEngine, PipelineStage, StageLink, build_link
 
 from test_pipeline import deep_mlp, needs_stages
 

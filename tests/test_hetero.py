@@ -12,13 +12,14 @@ from test_eager import metrics_records
 from test_user_inputs import ALGORITHMS
 from torch.nn.utils import parameters_to_vector
 
-from crossbow_mpi import Config, ConfigError, Trainer, runtime
-from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy, adapt
-from crossbow_mpi.checkpoint import list_checkpoints
+from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.config import per_rank
+from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy, adapt
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.sampler import GlobalSampler
+from crossbow_mpi.runtime import process
 from crossbow_mpi.train import parse_config
+from crossbow_mpi.training.checkpoint import list_checkpoints
 
 from conftest import run_job
 from reference import relative_error, sgd_reference
@@ -76,14 +77,14 @@ def fake_gpus(monkeypatch, count: int) -> None:
 
 def test_mixed_puts_the_first_local_ranks_on_gpus_and_the_rest_on_cpu(monkeypatch):
     fake_gpus(monkeypatch, 2)
-    placed = [runtime.select_device("mixed", local_rank) for local_rank in range(4)]
+    placed = [process.select_device("mixed", local_rank) for local_rank in range(4)]
     assert placed == [torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu"), torch.device("cpu")]
 
 
 def test_mixed_without_a_gpu_is_a_config_error(monkeypatch):
     fake_gpus(monkeypatch, 0)
     with pytest.raises(ConfigError, match="--device mixed: no CUDA device"):
-        runtime.select_device("mixed", 0)
+        process.select_device("mixed", 0)
 
 
 def test_unequal_batch_sizes_cut_disjoint_rank_major_slices():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from crossbow_mpi import Config, Trainer, imbalance, trainer
-from crossbow_mpi.imbalance import parse_imbalance
+from crossbow_mpi import Config, Trainer
+from crossbow_mpi.runtime import imbalance
+from crossbow_mpi.runtime.imbalance import parse_imbalance
+from crossbow_mpi.training import trainer
 
 
 @pytest.mark.mpi(min_size=1)

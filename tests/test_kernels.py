@@ -12,11 +12,11 @@ from torch import nn
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.algorithms import SynchronousModelAveraging, SynchronousSGD
 from crossbow_mpi.data import synthetic_dataset
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.kernels import build_fused_steps, cxx_compiler, fuse
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
-from crossbow_mpi.trainer import FitResult
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.kernels import build_fused_steps, cxx_compiler, fuse
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
+from crossbow_mpi.training.trainer import FitResult
 
 from conftest import self_comm
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from crossbow_mpi import runtime
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.runtime import process
 
 from conftest import REPO, mpirun_command
 
@@ -86,7 +86,7 @@ def test_processes_that_did_not_join_one_job_stop_with_one_line(tmp_path):
     ],
 )
 def test_a_world_the_launcher_started_passes(environ, size):
-    runtime.check_world_size(size, environ)
+    process.check_world_size(size, environ)
 
 
 @pytest.mark.parametrize(
@@ -99,14 +99,14 @@ def test_a_world_the_launcher_started_passes(environ, size):
 )
 def test_a_world_other_than_the_launcher_started_is_refused(environ, named):
     with pytest.raises(ConfigError, match=named):
-        runtime.check_world_size(1, environ)
+        process.check_world_size(1, environ)
 
 
 def test_an_mpi_without_thread_multiple_is_refused_naming_the_cray_setting():
-    MPI = runtime.mpi()
-    runtime.check_thread_level(MPI.THREAD_MULTIPLE)
+    MPI = process.mpi()
+    process.check_thread_level(MPI.THREAD_MULTIPLE)
     with pytest.raises(ConfigError, match="MPI_THREAD_SERIALIZED.*MPICH_MAX_THREAD_SAFETY=multiple"):
-        runtime.check_thread_level(MPI.THREAD_SERIALIZED)
+        process.check_thread_level(MPI.THREAD_SERIALIZED)
 
 
 # --- local rank from MPI ------------------------------------------------------------------------------------
@@ -120,12 +120,12 @@ def test_local_rank_comes_from_mpi_not_an_inherited_slurm_localid(comm, monkeypa
     monkeypatch.setenv("PMI_SIZE", str(comm.size))
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     monkeypatch.setenv("SLURM_LOCALID", "0")
-    local_rank, local_size, _ = runtime.node_placement(comm.mpi_comm)
+    local_rank, local_size, _ = process.node_placement(comm.mpi_comm)
     assert comm.allgather_json([local_rank, local_size]) == [[r, comm.size] for r in range(comm.size)]
     assert capsys.readouterr().err == ""
 
     # srun whose SLURM_LOCALID disagrees with MPI: MPI wins, and the rank says which variable disagreed.
-    local_rank, _, _ = runtime.node_placement(
+    local_rank, _, _ = process.node_placement(
         comm.mpi_comm, {"SLURM_STEP_NUM_TASKS": str(comm.size), "SLURM_LOCALID": "0"}
     )
     assert local_rank == comm.rank
@@ -141,7 +141,7 @@ def test_local_rank_comes_from_mpi_not_an_inherited_slurm_localid(comm, monkeypa
 
 @pytest.mark.mpi(min_size=1)
 def test_cpu_shares_of_a_node_do_not_oversubscribe_its_cpus(comm):
-    _, local_size, share = runtime.node_placement(comm.mpi_comm)
+    _, local_size, share = process.node_placement(comm.mpi_comm)
     allowed = comm.allgather_json(sorted(os.sched_getaffinity(0)))
     shares = comm.allgather_json(share)
     assert all(s >= 1 for s in shares)

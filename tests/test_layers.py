@@ -1,7 +1,8 @@
 """The library's import graph: no cycle, and no module imports a higher layer.
 
-Layers, from the top: cli → trainer → algorithms/tuners → learners/comm → device/data/models. Every import
-counts, including those inside functions.
+Layers, from the top: the command lines → training/ and control/ → algorithms/, transports/ and planner/ →
+replicas/, comm/, parallel/ and runtime/ → data/, models and config. Every import counts, including those inside
+functions.
 """
 
 from __future__ import annotations
@@ -14,24 +15,12 @@ from conftest import REPO
 PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
     4: ["train", "export", "report", "plan"],
-    3: ["trainer", "components", "run", "checkpoint", "optimizer"],
-    2: ["algorithms", "tuner", "schedule", "adaptive"],
-    1: ["learners", "engines", "comm", "topology", "watchdog", "pipeline"],
-    0: [
-        "data",
-        "models",
-        "stages",
-        "flat",
-        "runtime",
-        "imbalance",
-        "metrics",
-        "config",
-        "state",
-        "projection",
-        "kernels",
-    ],
+    3: ["training", "control"],
+    2: ["algorithms", "transports", "planner"],
+    1: ["replicas", "comm", "parallel", "runtime"],
+    0: ["data", "models", "config"],
 }
-"""Each module (or package) of crossbow_mpi by layer; a new module must be placed here."""
+"""Each top-level module or folder of crossbow_mpi by layer: the folder list is the architecture."""
 
 
 def module_name(path: Path) -> str:

@@ -4,17 +4,17 @@ import os
 
 import pytest
 
-from crossbow_mpi import runtime
+from crossbow_mpi.runtime import process
 
 
 @pytest.mark.mpi(min_size=1)
 def test_the_launchers_local_rank_variable_is_known_and_agrees_with_mpi(comm):
-    launcher = runtime.launcher_variables()
+    launcher = process.launcher_variables()
     if launcher is None:
         pytest.skip("not started by a launcher (a singleton MPI process)")
     size_name, local_names = launcher
     assert int(os.environ[size_name]) == comm.size
-    local_size = runtime.node_placement(comm.mpi_comm)[1]
+    local_size = process.node_placement(comm.mpi_comm)[1]
     known = [name for name in local_names if name in os.environ]
     assert known, f"{size_name} is set, but none of {local_names}"
     # one node here: the launcher numbers the node's ranks 0…n−1, in an order that need not be MPI's

@@ -88,8 +88,8 @@ def summary_and_z(run_dir):
 
 def test_each_node_numbers_its_ranks_from_zero(cluster):
     probe = (
-        "import socket; from crossbow_mpi import runtime; "
-        "print(socket.gethostname(), runtime.node_placement(runtime.mpi().COMM_WORLD)[0], flush=True)"
+        "import socket; from crossbow_mpi.runtime import process; "
+        "print(socket.gethostname(), process.node_placement(process.mpi().COMM_WORLD)[0], flush=True)"
     )
     lines = cluster.run(["-c", probe], timeout=120).stdout.split("\n")
     placed = sorted(line.split() for line in lines if line.startswith(cluster.prefix))

@@ -12,12 +12,12 @@ import torch
 from test_eager import evaluation_records, metrics_records, mlp_bn
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.checkpoint import list_checkpoints
 from crossbow_mpi.comm.base import wait_sleeping
-from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.components import Checkpoints, Controllers, Tuning
-from crossbow_mpi.optimizer import grid, group_counts
-from crossbow_mpi.run import ROUND_STEPS
+from crossbow_mpi.control.omnivore_search import grid, group_counts
+from crossbow_mpi.training.checkpoint import list_checkpoints
+from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
+from crossbow_mpi.training.rank_run import ROUND_STEPS
+from crossbow_mpi.transports.model_server import ModelServer
 
 from conftest import run_job
 from test_algorithms import BATCH, STEPS, datasets, run_config

@@ -15,13 +15,13 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.checkpoint import list_checkpoints
-from crossbow_mpi.components import evaluate_model
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
 from crossbow_mpi.models import LeNet
-from crossbow_mpi.pipeline import ACTIVATION, Transfer, schedule_ops, schedule_steps
-from crossbow_mpi.stages import param_cut, split_model, time_cut
+from crossbow_mpi.parallel.partition import param_cut, split_model, time_cut
+from crossbow_mpi.parallel.pipeline import ACTIVATION, Transfer, schedule_ops, schedule_steps
+from crossbow_mpi.training.checkpoint import list_checkpoints
+from crossbow_mpi.training.hooks import evaluate_model
 
 from conftest import run_job, run_tool, self_comm
 from reference import relative_error, sgd_reference, sma_reference

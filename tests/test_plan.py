@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from crossbow_mpi import plan, projection
-from crossbow_mpi.projection import EpochCurve, Network, Workload
+from crossbow_mpi import plan
+from crossbow_mpi.planner import perf_model
+from crossbow_mpi.planner.perf_model import EpochCurve, Network, Workload
 
 from conftest import REPO
 
@@ -25,7 +26,7 @@ def test_ring_allreduce_and_send_costs():
 
 
 def test_tree_allreduce_and_the_faster_of_the_two():
-    ring, tree, auto = (Network(1e-5, 1e-9, algorithm) for algorithm in projection.ALLREDUCES)
+    ring, tree, auto = (Network(1e-5, 1e-9, algorithm) for algorithm in perf_model.ALLREDUCES)
     assert tree.allreduce_s(1e6, 4) == pytest.approx(4 * (1e-5 + 1e-3))  # 2·⌈log2 P⌉·(α + n·β)
     assert tree.allreduce_s(1e6, 5) == pytest.approx(6 * (1e-5 + 1e-3))  # a partial level costs a whole one
     assert tree.allreduce_s(1e6, 1) == 0.0
@@ -46,69 +47,69 @@ def test_a_link_in_gbit_per_s_and_microseconds():
 def test_the_allreduce_fit_recovers_alpha_and_beta():
     truth = Network(2e-5, 3e-10)
     sizes = [4.0**i for i in range(2, 10)]
-    fitted = projection.fit_ring_allreduce(sizes, [truth.allreduce_s(n, 4) for n in sizes], 4)
+    fitted = perf_model.fit_ring_allreduce(sizes, [truth.allreduce_s(n, 4) for n in sizes], 4)
     assert fitted.latency_s == pytest.approx(2e-5) and fitted.seconds_per_byte == pytest.approx(3e-10)
     with pytest.raises(ValueError):
-        projection.fit_ring_allreduce([8.0, 8.0], [1.0, 1.0], 2)
+        perf_model.fit_ring_allreduce([8.0, 8.0], [1.0, 1.0], 2)
 
 
 def test_pipeline_bubble_and_step():
-    assert projection.bubble_fraction(4, 4) == pytest.approx(3 / 7)
-    assert projection.bubble_fraction(1, 8) == 0
+    assert perf_model.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert perf_model.bubble_fraction(1, 8) == 0
     # 4 micro-batches of 2 samples through 2 stages: 3 in the slower stage's 4 ms slot, one through both (2 + 4 ms)
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE) == pytest.approx(3 * 4e-3 + 6e-3)
+    assert perf_model.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE) == pytest.approx(3 * 4e-3 + 6e-3)
     # the first activation and the last gradient cross the cut: 2 × α
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(1e-4, 0)) == pytest.approx(18.2e-3)
+    assert perf_model.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(1e-4, 0)) == pytest.approx(18.2e-3)
     # each stage's slot adds the host work of the 200-byte activation and gradient it handles, 0.1 + 0.2 ms;
     # each crossing waits half a poll, 0.5 ms
-    link = projection.LinkCost(host_s_fixed=1e-4, host_s_per_byte=1e-6, poll_delay_s=5e-4)
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE, link) == pytest.approx(
+    link = perf_model.LinkCost(host_s_fixed=1e-4, host_s_per_byte=1e-6, poll_delay_s=5e-4)
+    assert perf_model.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, FREE, link) == pytest.approx(
         3 * 4.3e-3 + (2.3e-3 + 4.3e-3) + 2 * 5e-4
     )
     # a middle stage handles the messages of both its cuts
-    assert projection.pipeline_step_s([1e-3] * 3, [100, 100], 8, 4, FREE, projection.LinkCost(1e-4)) == pytest.approx(
+    assert perf_model.pipeline_step_s([1e-3] * 3, [100, 100], 8, 4, FREE, perf_model.LinkCost(1e-4)) == pytest.approx(
         3 * 2.2e-3 + (2.1e-3 + 2.2e-3 + 2.1e-3)
     )
     # a link slower than every stage sets the slot: 20 ms per 200-byte message
-    assert projection.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(0, 1e-4)) == pytest.approx(
+    assert perf_model.pipeline_step_s([1e-3, 2e-3], [100], 8, 4, Network(0, 1e-4)) == pytest.approx(
         3 * 20e-3 + 6e-3 + 2 * 20e-3
     )
 
 
 def test_the_link_fit_recovers_the_host_work_per_message():
-    fitted = projection.fit_link([0, 1000, 4000], [2e-5 + n * 1e-8 for n in (0, 1000, 4000)], poll_delay_s=3e-4)
+    fitted = perf_model.fit_link([0, 1000, 4000], [2e-5 + n * 1e-8 for n in (0, 1000, 4000)], poll_delay_s=3e-4)
     assert fitted.host_s_fixed == pytest.approx(2e-5) and fitted.host_s_per_byte == pytest.approx(1e-8)
     assert fitted.poll_delay_s == 3e-4 and fitted.host_s(500) == pytest.approx(2.5e-5)
     with pytest.raises(ValueError, match="two message sizes"):
-        projection.fit_link([8, 8], [1e-5, 1e-5], 0.0)
+        perf_model.fit_link([8, 8], [1e-5, 1e-5], 0.0)
 
 
 def test_a_step_charges_the_training_loops_overhead():
     work = dataclasses.replace(workload(), step_overhead_s=1e-3)
     # 16 samples of 1 ms, the overhead, the update of 4 MB at 0.1 ns/byte
-    assert projection.dp_step_s(work, 1, FREE) == pytest.approx(16e-3 + 1e-3 + 4e-4)
+    assert perf_model.dp_step_s(work, 1, FREE) == pytest.approx(16e-3 + 1e-3 + 4e-4)
     # 3 micro-batches in a 2.2 ms slot, one through both stages, the overhead, the update of the 2 MB shard
-    assert projection.hybrid_step_s(work, 2, 2, FREE) == pytest.approx(3 * 2.2e-3 + 4.4e-3 + 1e-3 + 2e-4)
+    assert perf_model.hybrid_step_s(work, 2, 2, FREE) == pytest.approx(3 * 2.2e-3 + 4.4e-3 + 1e-3 + 2e-4)
 
 
 def test_workloads_saved_before_the_link_and_overhead_were_measured_load_without_them(tmp_path):
     saved = json.loads((REPO / "benchmarks/results/plan/lenet-validate.json").read_text())
     _, cut, work = plan.read_workload(REPO / "benchmarks/results/plan/lenet-validate.json")
-    assert cut == "time" and work.link != projection.LinkCost() and work.step_overhead_s > 0
+    assert cut == "time" and work.link != perf_model.LinkCost() and work.step_overhead_s > 0
     for field in ("link", "step_overhead_s"):  # as files saved before these were measured hold them
         del saved["workload"][field]
     (tmp_path / "old.json").write_text(json.dumps(saved))
     _, cut, work = plan.read_workload(tmp_path / "old.json")
-    assert cut == "time" and work.link == projection.LinkCost() and work.step_overhead_s == 0.0
+    assert cut == "time" and work.link == perf_model.LinkCost() and work.step_overhead_s == 0.0
 
 
 def test_epoch_curve_fit_and_speedup():
-    curve = projection.fit_epochs([16, 64, 256], [2 * (1 + b / 100) for b in (16, 64, 256)])
+    curve = perf_model.fit_epochs([16, 64, 256], [2 * (1 + b / 100) for b in (16, 64, 256)])
     assert curve.min_epochs == pytest.approx(2) and curve.noise_batch == pytest.approx(100)
     # E(25)/E(100) = 1.25/2, four workers at the same step time
-    assert projection.speedup(4, 25, 1.0, 1.0, EpochCurve(1, 100)) == pytest.approx(0.625 * 4)
+    assert perf_model.speedup(4, 25, 1.0, 1.0, EpochCurve(1, 100)) == pytest.approx(0.625 * 4)
     with pytest.raises(ValueError, match="does not grow"):
-        projection.fit_epochs([16, 64], [5, 3])
+        perf_model.fit_epochs([16, 64], [5, 3])
 
 
 def workload(batch=16, micro_batches=4) -> Workload:
@@ -123,13 +124,13 @@ def workload(batch=16, micro_batches=4) -> Workload:
 
 
 def test_a_free_network_and_no_efficiency_loss_scale_linearly():
-    cells = projection.project(workload(), FREE, EpochCurve(1, math.inf), [1, 2, 8, 1024], [1])
+    cells = perf_model.project(workload(), FREE, EpochCurve(1, math.inf), [1, 2, 8, 1024], [1])
     assert [c.speedup for c in cells] == pytest.approx([1, 2, 8, 1024])
 
 
 def test_hybrid_overtakes_dp_as_the_allreduce_and_the_batch_grow():
     network = Network(5e-6, 1e-9)
-    cells = projection.project(workload(), network, EpochCurve(1, 256), [2**i for i in range(11)], [1, 2])
+    cells = perf_model.project(workload(), network, EpochCurve(1, 256), [2**i for i in range(11)], [1, 2])
     dp = {c.devices: c.speedup for c in cells if c.stages == 1}
     hybrid = {c.devices: c for c in cells if c.stages == 2}
     steps = [c.step_s for c in cells if c.stages == 1]
@@ -173,7 +174,7 @@ def test_the_repositorys_efficiency_file_that_cannot_be_fitted_yet_gives_the_def
     (tmp_path / "partial.json").write_text(json.dumps(one))
     monkeypatch.setattr(plan, "EFFICIENCY_FILE", tmp_path / "partial.json")
     curve, source = plan.epoch_curve(None)
-    assert curve == projection.DEFAULT_EPOCHS and source.startswith("default (E(B) needs")
+    assert curve == perf_model.DEFAULT_EPOCHS and source.startswith("default (E(B) needs")
     with pytest.raises(ValueError, match="E.B. needs"):  # a file the user names must fit
         plan.epoch_curve(tmp_path / "partial.json")
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from crossbow_mpi import Config, Trainer
-from crossbow_mpi.checkpoint import FORMAT_VERSION, list_checkpoints
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.training.checkpoint import FORMAT_VERSION, list_checkpoints
 
 
 def model() -> nn.Module:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from crossbow_mpi import Config, ConfigError, Trainer, checkpoint
-from crossbow_mpi.checkpoint import CheckpointError, list_checkpoints
+from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.training import checkpoint
+from crossbow_mpi.training.checkpoint import CheckpointError, list_checkpoints
 
 from test_resume import config as resume_config
 from test_resume import fit

@@ -14,8 +14,8 @@ from test_omnivore import divisors
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.comm.base import wait_sleeping
-from crossbow_mpi.comm.server import ModelServer
 from crossbow_mpi.data.datasets import ArrayDataset
+from crossbow_mpi.transports.model_server import ModelServer
 
 from conftest import run_job
 from reference import elastic_reference, relative_error

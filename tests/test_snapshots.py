@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from crossbow_mpi import Config, ConfigError, Trainer
-from crossbow_mpi.checkpoint import checkpoint_path, list_checkpoints
-from crossbow_mpi.components import Checkpoints, Controllers, Tuning
 from crossbow_mpi.data import ArrayDataset, synthetic_dataset
-from crossbow_mpi.metrics import MetricsLog, Progress
+from crossbow_mpi.training.checkpoint import checkpoint_path, list_checkpoints
+from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
+from crossbow_mpi.training.records import MetricsLog, Progress
 
 BATCH = 4
 SAMPLES = 768

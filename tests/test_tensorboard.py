@@ -9,7 +9,7 @@ import os
 import pytest
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.metrics import TENSORBOARD_DIR
+from crossbow_mpi.training.records import TENSORBOARD_DIR
 
 from conftest import run_job
 from test_snapshots import config, datasets, mlp

@@ -2,7 +2,7 @@
 
 import math
 
-from crossbow_mpi.tuner import Memory, Policy, decide
+from crossbow_mpi.control.learner_tuner import Memory, Policy, decide
 
 PLENTY = Memory(used=1e9, cap=1e12, per_learner=1e6)
 

@@ -238,7 +238,7 @@ FAILING_RANK_SCRIPT = """
     from torch import nn
     from crossbow_mpi import Config, Trainer
     from crossbow_mpi.data import synthetic_dataset
-    from crossbow_mpi.runtime import mpi
+    from crossbow_mpi.runtime.process import mpi
 
     class FailsOnRank1(torch.utils.data.Dataset):
         def __init__(self, data):

@@ -8,8 +8,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import ConfigError, Trainer
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.learners import CentralModel, Learners
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.learners import CentralModel, Learners
 
 from reference import relative_error, sgd_reference
 from test_algorithms import BATCH, STEPS, datasets, run_config

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm import Communicator
-from crossbow_mpi.flat import sum_rows
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
+from crossbow_mpi.replicas.flat import sum_rows
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
 
 
 class Algorithm:

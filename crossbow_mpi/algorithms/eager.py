@@ -1,7 +1,8 @@
 """eager-SGD (Li, Ben-Nun, Di Girolamo, Alistarh, Hoefler, PPoPP 2020): S-SGD over a partial allreduce.
 
 At every step each rank puts the sum of its learners' gradients into its accumulator and applies its next round n
-(crossbow_mpi.comm.partial: solo or majority rounds, a synchronous one at least every `--eager-sync-every`):
+(crossbow_mpi.transports.partial_allreduce: solo or majority rounds, a synchronous one at least every
+`--eager-sync-every`):
 
     g_n = Σ_{contributions carried by round n} Σ_j ω_r ∇ℓ(w_j) / (k Σ_ranks ω_r)   (a late one lands in a later
                                                                                  round; ω_r as in S-SGD)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
-from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
+from crossbow_mpi.transports.model_server import ModelServer
 
 
 class ElasticAveraging(RoundsAlgorithm):

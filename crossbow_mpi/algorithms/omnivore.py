@@ -1,7 +1,7 @@
 """Omnivore (Hadjis, Zhang, Mitliagkas, Iter, Ré, arXiv 1606.04487): S-SGD inside compute groups, asynchronous
 updates of one central model across groups.
 
-The P ranks form G groups of P/G consecutive ranks. Every step of group γ (crossbow_mpi.comm.server):
+The P ranks form G groups of P/G consecutive ranks. Every step of group γ (crossbow_mpi.transports.model_server):
 
     g = (1 / K_γ) Σ_{ranks of γ} Σ_j ∇ℓ(w_j)        (w_j = z_γ, the central model γ last read; K_γ its learners)
     at the server, applied to whatever z is then:  u ← μ u + (g + λ z);  z ← z − η u
@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
-from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
+from crossbow_mpi.transports.model_server import ModelServer
 
 
 class Omnivore(RoundsAlgorithm):

@@ -1,12 +1,12 @@
 """What the asynchronous algorithms share: rounds of data positions handed out by the model server (transport
-`server`, crossbow_mpi.comm.server), so that every group of ranks steps at its own pace within a round."""
+`server`, crossbow_mpi.transports.model_server), so that every group of ranks steps at its own pace within a round."""
 
 from __future__ import annotations
 
 from crossbow_mpi.algorithms.base import Algorithm
-from crossbow_mpi.comm.server import ModelServer
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
+from crossbow_mpi.transports.model_server import ModelServer
 
 
 class RoundsAlgorithm(Algorithm):

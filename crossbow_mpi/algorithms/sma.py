@@ -8,7 +8,7 @@ At a learning-rate drop every learner is reset to z.
 
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
 `--fused-step` the learners' update, correction and staging run as one fused kernel, and the central update as
-another, with the same bits (crossbow_mpi.kernels).
+another, with the same bits (crossbow_mpi.replicas.kernels).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
-from crossbow_mpi.kernels import SmaCentralUpdate, SmaUpdate
+from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
 
 
 class SynchronousModelAveraging(Algorithm):

@@ -4,7 +4,7 @@ g = Σ_ranks Σ_j ω_r ∇ℓ(w_j) / Σ_ranks Σ_j ω_r    (w_j = z for every le
                                                   the mean over every sample of the step; all 1 for equal batches)
 d = g + λ z;  u ← μ u + d;  z ← z − η u
 
-With `--fused-step` the update of u and z runs as one fused kernel with the same bits (crossbow_mpi.kernels).
+With `--fused-step` the update of u and z runs as one fused kernel with the same bits (crossbow_mpi.replicas.kernels).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
-from crossbow_mpi.kernels import SsgdUpdate
+from crossbow_mpi.replicas.kernels import SsgdUpdate
 
 
 class SynchronousSGD(Algorithm):

@@ -1,4 +1,4 @@
-"""Communicators: one interface, one backend per transport."""
+"""Communication backends behind one interface: MPI (flat or by node) and NCCL, and the job's process scopes."""
 
 import sys
 
@@ -8,7 +8,7 @@ from crossbow_mpi.comm.base import Communicator
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import ConfigError
 
-__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "build_transport", "start_nccl"]
+__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "start_nccl"]
 
 
 def build_communicator(
@@ -72,19 +72,3 @@ def _mpi_communicator(mpi_comm, hierarchy: str) -> MpiCommunicator:
 def _note(comm: Communicator, text: str) -> None:
     if comm.rank == 0:
         print(f"crossbow_mpi: note: {text}", file=sys.stderr, flush=True)
-
-
-def build_transport(kind: str, data: Communicator, config, group: Communicator | None = None) -> Communicator:
-    """Return what an algorithm reduces over (collective): the data scope's communicator for `allreduce`,
-    eager-SGD's partial collective over it for `partial`, or for `server` the compute `group`'s collectives with
-    Omnivore's model server over the data scope."""
-    if kind == "server":
-        from crossbow_mpi.comm.server import ModelServer
-
-        return ModelServer(data, group, data.size // group.size)
-    if kind == "partial":
-        from crossbow_mpi.comm.partial import PartialAllreduce
-
-        return PartialAllreduce(data, config.eager_mode, config.eager_sync_every, config.seed)
-    assert kind == "allreduce", kind
-    return data

@@ -15,11 +15,11 @@ from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.comm import build_communicator
 from crossbow_mpi.comm.gpus import gpu_owners, ranks_per_gpu
 from crossbow_mpi.comm.nccl import NcclCommunicator, nccl_module
+from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.prefetch import BatchPrefetcher, to_device
 from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
-from crossbow_mpi.pipeline import NcclLink, build_link
-from crossbow_mpi.tuner import AutoTuner, Policy
+from crossbow_mpi.parallel.pipeline import NcclLink, build_link
 
 from reference import relative_error, sma_reference
 
@@ -241,7 +241,7 @@ def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adapti
 @pytest.mark.mpi(min_size=1)
 def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
     pytest.importorskip("cupy")
-    from crossbow_mpi.kernels import cupy_sma_update
+    from crossbow_mpi.replicas.kernels import cupy_sma_update
 
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
     torch.manual_seed(0)
@@ -269,7 +269,7 @@ def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
 @pytest.mark.mpi(min_size=1)
 def test_the_cupy_fused_sma_central_step_gives_the_bits_of_the_in_place_step(comm):
     pytest.importorskip("cupy")
-    from crossbow_mpi.kernels import cupy_sma_central_update
+    from crossbow_mpi.replicas.kernels import cupy_sma_central_update
 
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
     torch.manual_seed(0)
@@ -288,7 +288,7 @@ def test_the_cupy_fused_sma_central_step_gives_the_bits_of_the_in_place_step(com
 @pytest.mark.mpi(min_size=1)
 def test_the_cupy_fused_ssgd_step_gives_the_bits_of_the_in_place_step(comm):
     pytest.importorskip("cupy")
-    from crossbow_mpi.kernels import cupy_ssgd_update
+    from crossbow_mpi.replicas.kernels import cupy_ssgd_update
 
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
     torch.manual_seed(0)

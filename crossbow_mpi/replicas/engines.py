@@ -21,13 +21,13 @@ import torch
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.prefetch import Batch
-from crossbow_mpi.kernels import require_compiler
-from crossbow_mpi.learners import Learners
+from crossbow_mpi.replicas.kernels import require_compiler
+from crossbow_mpi.replicas.learners import Learners
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Algorithm(Protocol):
+class AlgorithmSteps(Protocol):
     """What an engine runs of an algorithm (crossbow_mpi.algorithms.Algorithm)."""
 
     learners: Learners
@@ -87,12 +87,12 @@ class LearnerEngine:
         """Run the learners one after another on the calling thread."""
         return [self.learner_step(learners, j, batch) for j, batch in enumerate(batches)]
 
-    def local_step(self, algorithm: Algorithm, lr: float) -> None:
+    def local_step(self, algorithm: AlgorithmSteps, lr: float) -> None:
         """Apply every learner's own update once its gradient is computed."""
         algorithm.allocate_message()
         algorithm.local_step(slice(None), lr)
 
-    def sync(self, algorithm: Algorithm, lr: float) -> None:
+    def sync(self, algorithm: AlgorithmSteps, lr: float) -> None:
         """Run the algorithm's sync round over the learners' staged updates."""
         algorithm.sync(lr)
 
@@ -208,7 +208,7 @@ class StreamEngine(LearnerEngine):
             loss.record_stream(current)
         return losses
 
-    def local_step(self, algorithm: Algorithm, lr: float) -> None:
+    def local_step(self, algorithm: AlgorithmSteps, lr: float) -> None:
         self.overlaps_sync = algorithm.overlaps_sync
         current = torch.cuda.current_stream()
         algorithm.allocate_message()
@@ -218,7 +218,7 @@ class StreamEngine(LearnerEngine):
             with torch.cuda.stream(stream):
                 algorithm.local_step(slice(j, j + 1), lr)
 
-    def sync(self, algorithm: Algorithm, lr: float) -> None:
+    def sync(self, algorithm: AlgorithmSteps, lr: float) -> None:
         for stream in self.streams[: algorithm.learners.k]:
             self.sync_stream.wait_stream(stream)
         self.sync_stream.wait_stream(torch.cuda.current_stream())

@@ -12,19 +12,19 @@ from typing import Callable
 import torch
 from torch import nn
 
-from crossbow_mpi import runtime
 from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
-from crossbow_mpi.comm import build_transport
+from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config
 from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
-from crossbow_mpi.engines import LearnerEngine
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.imbalance import Imbalance
-from crossbow_mpi.kernels import fuse
-from crossbow_mpi.learners import CentralModel, Learners
-from crossbow_mpi.state import HyperParams, TrainState
-from crossbow_mpi.topology import Topology
+from crossbow_mpi.replicas.engines import LearnerEngine
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.kernels import fuse
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams, TrainState
+from crossbow_mpi.runtime import process
+from crossbow_mpi.runtime.imbalance import Imbalance
+from crossbow_mpi.transports import build_transport
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Run:
         self.state = TrainState(next_eval=config.eval_every)
         self.losses = torch.zeros((), dtype=torch.float64, device=device)
         """Training losses summed on the device since the last `settle`, so that no step waits to read one."""
-        runtime.seed_everything(config.seed, topology.world.rank)
+        process.seed_everything(config.seed, topology.world.rank)
 
     def _build_algorithm(self, name: str) -> Algorithm:
         algorithm = ALGORITHMS[name]
@@ -206,7 +206,7 @@ class Run:
             "learners": self.learners.state_dict(),
             "algorithm": self.algorithm.state_dict(),
             "choice": self.choice,
-            "rng": copy.deepcopy(runtime.rng_state()),
+            "rng": copy.deepcopy(process.rng_state()),
         }
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
@@ -231,4 +231,4 @@ class Run:
         self.learners.resize(learners or snapshot.get("k") or len(snapshot["learners"]["weights"]), self.central.z)
         self.learners.load_state_dict(rows, self.central.z)
         if snapshot["rng"] is not None:
-            runtime.load_rng_state(snapshot["rng"])
+            process.load_rng_state(snapshot["rng"])

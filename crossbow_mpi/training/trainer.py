@@ -16,22 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crossbow_mpi import checkpoint, runtime
-from crossbow_mpi.adaptive import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
-from crossbow_mpi.components import Clock, Components, Controller, DivergenceError, OutputFn
+from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config, ConfigError, per_rank, values
+from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy
+from crossbow_mpi.control.omnivore_search import optimizes
 from crossbow_mpi.data.checks import check_samples
-from crossbow_mpi.engines import build_engine, check_engine
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.imbalance import parse_imbalance
-from crossbow_mpi.metrics import summary_writer_class
-from crossbow_mpi.optimizer import optimizes
-from crossbow_mpi.pipeline import build_pipeline, load_stages
-from crossbow_mpi.run import Run
-from crossbow_mpi.stages import time_cut
-from crossbow_mpi.topology import Topology
+from crossbow_mpi.parallel.partition import time_cut
+from crossbow_mpi.parallel.pipeline import build_pipeline, load_stages
+from crossbow_mpi.replicas.engines import build_engine, check_engine
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.runtime import process
+from crossbow_mpi.runtime.imbalance import parse_imbalance
+from crossbow_mpi.training import checkpoint
+from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, OutputFn
+from crossbow_mpi.training.rank_run import Run
+from crossbow_mpi.training.records import summary_writer_class
 
 __all__ = ["DivergenceError", "FitResult", "Trainer", "agree"]
 
@@ -88,9 +89,9 @@ class Trainer:
 
     def __init__(self, config: Config, comm: Communicator | None = None):
         self.config = config
-        runtime.install_abort_on_failure()
-        world = comm or MpiCommunicator(runtime.mpi().COMM_WORLD)
-        agree(world, runtime.check_launch)
+        process.install_abort_on_failure()
+        world = comm or MpiCommunicator(process.mpi().COMM_WORLD)
+        agree(world, process.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
         if config.tensorboard:
             agree(world, summary_writer_class)
@@ -98,13 +99,13 @@ class Trainer:
         differing = sorted(key for key in configs[0] if any(c[key] != configs[0][key] for c in configs))
         if differing:
             raise ConfigError(f"the ranks' configurations differ in: {', '.join(differing)}")
-        local_rank, local_size, cpu_share = runtime.node_placement(world.mpi_comm)
+        local_rank, local_size, cpu_share = process.node_placement(world.mpi_comm)
         device, threads = agree(
             world, lambda: [per_rank(config, n, world.size)[world.rank] for n in ("device", "threads")]
         )
-        self.device = agree(world, lambda: runtime.select_device(device, local_rank))
+        self.device = agree(world, lambda: process.select_device(device, local_rank))
         agree(world, lambda: check_engine(config.engine, self.device, config.compile))
-        self.threads = runtime.set_threads(threads, cpu_share, announce=world.rank == 0)
+        self.threads = process.set_threads(threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
         if config.pipeline_stages > 1:
             data_comm = (

@@ -11,20 +11,21 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from crossbow_mpi import checkpoint, runtime
 from crossbow_mpi.comm import Communicator
 from crossbow_mpi.comm.base import StopAgreement
+from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config
+from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
+from crossbow_mpi.control.lr_schedule import Schedule
+from crossbow_mpi.control.omnivore_search import OmnivoreOptimizer, optimizes
 from crossbow_mpi.data.prefetch import to_device
 from crossbow_mpi.data.sampler import fetch_batch
-from crossbow_mpi.metrics import MetricsLog, Progress
-from crossbow_mpi.optimizer import OmnivoreOptimizer, optimizes
-from crossbow_mpi.run import Run, Step
-from crossbow_mpi.schedule import Schedule
-from crossbow_mpi.state import TrainState
-from crossbow_mpi.topology import Topology
-from crossbow_mpi.tuner import AutoTuner, Policy
-from crossbow_mpi.watchdog import Watchdog
+from crossbow_mpi.replicas.state import TrainState
+from crossbow_mpi.runtime import process
+from crossbow_mpi.runtime.watchdog import Watchdog
+from crossbow_mpi.training import checkpoint
+from crossbow_mpi.training.rank_run import Run, Step
+from crossbow_mpi.training.records import MetricsLog, Progress
 
 OutputFn = Callable[[object], torch.Tensor]
 """Picks the class scores from a model's output (for models whose forward returns a tuple or a dict)."""
@@ -385,7 +386,7 @@ class Components:
             controllers=adjusting,
             retuning=Retuning(config, world, run, metrics, progress),
             divergence=DivergenceCheck(world),
-            stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, runtime.stop_requested),
+            stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested),
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
             metrics=metrics,
             progress=progress,

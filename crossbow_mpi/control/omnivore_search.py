@@ -37,8 +37,8 @@ import time
 from typing import Callable
 
 from crossbow_mpi.config import Config
-from crossbow_mpi.metrics import MetricsLog, Progress
-from crossbow_mpi.run import Run
+from crossbow_mpi.training.rank_run import Run
+from crossbow_mpi.training.records import MetricsLog, Progress
 
 COLD_LR_FACTORS = (10.0, 1.0, 0.1, 0.01)
 COLD_MOMENTUM = 0.9

@@ -23,10 +23,10 @@ from crossbow_mpi.comm import Communicator, MpiCommunicator, start_nccl
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, wait_sleeping
 from crossbow_mpi.comm.nccl import NcclCommunicator
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.engines import LossFn, SequentialEngine
-from crossbow_mpi.flat import FlatLayout
-from crossbow_mpi.learners import Learners
-from crossbow_mpi.stages import param_cut, split_model
+from crossbow_mpi.parallel.partition import param_cut, split_model
+from crossbow_mpi.replicas.engines import LossFn, SequentialEngine
+from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.learners import Learners
 
 ACTIVATION, GRADIENT = 1, 2
 """Message tags: activations flow to the next stage, their gradients to the previous one."""

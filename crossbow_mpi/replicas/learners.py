@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.flat import FlatLayout, take_gradients
+from crossbow_mpi.replicas.flat import FlatLayout, take_gradients
 
 
 class CentralModel:

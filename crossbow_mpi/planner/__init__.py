@@ -1,0 +1,1 @@
+"""The planner's performance model (pure functions) and the measurements it needs."""
