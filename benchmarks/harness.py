@@ -47,6 +47,13 @@ class BenchmarkError(RuntimeError):
         self.returncode = returncode
 
 
+def repo_path(path: str | Path) -> str:
+    """`path` relative to the repository where it lies inside it, so that a result file means the same on any
+    machine; elsewhere (a user's --out) as given."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 @dataclass
 class Options:
     """How a benchmark runs."""
@@ -183,7 +190,7 @@ def main(
         "columns": report.columns,
         "rows": report.rows,
         "runs": report.runs,
-        "files": report.files,
+        "files": [repo_path(file) for file in report.files],
     }
     path = options.out / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -414,7 +421,7 @@ class PointStore:
         records = self.records.values()
         dates = sorted(record["date"] for record in records)
         return {
-            "file": str(self.path),
+            "file": repo_path(self.path),
             "runs": len(records),
             "commits": sorted({record["code"]["commit"] or "-" for record in records}),
             "dates": [dates[0], dates[-1]] if dates else [],
