@@ -22,6 +22,8 @@ source "${CROSSBOW_VENV:-$PWD/.venv}/bin/activate"
 # shellcheck source=launch/common.sh
 source launch/common.sh
 ranks_per_node=8 cores_per_rank=8  # keep in line with the select line: mpiprocs, ncpus / mpiprocs
+# PBS Pro lists each node once per mpiproc, Torque once per core (ppn): count the nodes, not the lines.
+nodes=$(sort -u "$PBS_NODEFILE" | wc -l)
 run_dir=${CROSSBOW_RUN_DIR:-runs/pbs-${PBS_JOBID%%.*}}
 walltime=$(qstat -f "$PBS_JOBID" | sed -n 's/^ *Resource_List.walltime = //p')
 [ -n "$walltime" ] || { echo "pbs.sh: qstat -f $PBS_JOBID names no Resource_List.walltime" >&2; exit 1; }
@@ -33,7 +35,7 @@ before=$(record_count "$run_dir")
 read -r -a train_args <<< "${TRAIN_ARGS:-}"
 status=0
 timeout --preserve-status -s USR1 "$stop_after" \
-    mpirun -np "$(wc -l < "$PBS_NODEFILE")" --hostfile "$PBS_NODEFILE" \
+    mpirun -np "$((nodes * ranks_per_node))" --hostfile "$PBS_NODEFILE" \
     --map-by "ppr:$ranks_per_node:node:PE=$cores_per_rank" --bind-to core \
     python -m crossbow_mpi.train --device cuda --threads "$cores_per_rank" --run-dir "$run_dir" \
     ${resume[@]+"${resume[@]}"} ${train_args[@]+"${train_args[@]}"} || status=$?

@@ -194,6 +194,7 @@ SCRIPTS = [
     "launch/slurm.sbatch",
     "launch/pbs.sh",
     "launch/netns_nodes.sh",
+    "launch/gpu_selftest.sh",
     "tests/run.sh",
     "tests/run_mpis.sh",
 ]
@@ -245,15 +246,16 @@ SRUN_ENDINGS = {
     # srun killed a rank in teardown after the checkpoint: the job's code is 137, the record says preempted
     "preempted": f"echo '{PREEMPTED}' >> \"$RUN_DIR/metrics.jsonl\"; exit 137",
     "crashed": "exit 137",
+    "pmix": 'echo "$PMIX_MCA_gds" > "$RUN_DIR/pmix_gds"',
 }
 
 
-def run_slurm(batch_dir, ending: str, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+def run_slurm(batch_dir, ending: str, *args: str, scontrol: str = "", **extra_env: str) -> subprocess.CompletedProcess:
     root, env, _ = batch_dir
     run_dir = root / "runs" / "slurm-42"
     run_dir.mkdir(parents=True, exist_ok=True)
     fake_tool(root / "bin", "srun", SRUN_ENDINGS[ending])
-    fake_tool(root / "bin", "scontrol", "")
+    fake_tool(root / "bin", "scontrol", scontrol)
     env = dict(env, SLURM_JOB_ID="42", SLURM_CPUS_PER_TASK="8", RUN_DIR=str(run_dir), **extra_env)
     return subprocess.run(
         ["bash", "launch/slurm.sbatch", *args], capture_output=True, text=True, timeout=60, cwd=root, env=env
@@ -281,6 +283,18 @@ def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record
         "4",
     ]
     assert requeue == ["scontrol", "requeue", "42"]
+
+
+def test_slurm_keeps_the_runs_exit_code_when_the_requeue_fails(batch_dir):
+    job = run_slurm(batch_dir, "preempted", scontrol="exit 1")
+    assert job.returncode == 137, job.stderr
+    assert "scontrol requeue 42 failed (exit 1)" in job.stderr and "runs/slurm-42" in job.stderr
+
+
+def test_slurm_tells_pmix_to_use_the_hash_data_store(batch_dir):
+    root, _, _ = batch_dir
+    assert run_slurm(batch_dir, "pmix").returncode == 0
+    assert (root / "runs" / "slurm-42" / "pmix_gds").read_text().strip() == "hash"
 
 
 def test_slurm_resumes_and_does_not_requeue_a_crash_after_an_earlier_preemption(batch_dir):
@@ -387,3 +401,33 @@ def test_pbs_with_open_mpis_mpirun_checkpoints_before_the_walltime(batch_dir):
     assert summary(run_dir)["event"] == "preempted"
     assert list(run_dir.glob("checkpoint-*.h5"))
     assert calls(log)[-1] == ["qsub", "-V", "-v", "CROSSBOW_RUN_DIR=runs/pbs-8", "launch/pbs.sh"]
+
+
+def test_pbs_under_torque_starts_ranks_per_node_times_nodes_not_one_per_core(batch_dir):
+    root, env, log = batch_dir
+    nodefile = root / "nodefile"
+    nodefile.write_text("node01\n" * 64 + "node02\n" * 64)  # Torque: -l nodes=2:ppn=64
+    fake_tool(root / "bin", "qstat", 'echo "    Resource_List.walltime = 04:00:00"')
+    fake_tool(root / "bin", "mpirun", "exit 0")
+    env = dict(env, PBS_JOBID="9.server", PBS_NODEFILE=str(nodefile), PBS_O_WORKDIR=str(root))
+    job = subprocess.run(["bash", "launch/pbs.sh"], capture_output=True, text=True, timeout=60, cwd=root, env=env)
+    assert job.returncode == 0, job.stderr
+    mpirun = calls(log)[1]
+    assert mpirun[:3] == ["mpirun", "-np", "16"]
+
+
+@pytest.mark.parametrize("after", ["", "[teardown] NCCL WARN something printed after the verdict"])
+@pytest.mark.parametrize("verdict, code", [("PASS: all parts passed", 0), ("FAIL: 1 failed", 1)])
+def test_gpu_selftest_script_finds_the_verdict_wherever_it_stands(batch_dir, verdict, code, after):
+    root, env, _ = batch_dir
+    (root / "benchmarks").mkdir()
+    for tool in ("nvidia-smi", "mpirun"):
+        fake_tool(root / "bin", tool, "")
+    selftest = f'echo "gpu_selftest: {verdict}"; echo "{after}"; exit {code}'
+    fake_tool(root / "bin", "fake-python", f'case "$*" in *benchmarks.gpu_selftest*) {selftest};; esac')
+    env = dict(env, PYTHON="fake-python", OUT=str(root / "out"))
+    job = subprocess.run(
+        ["bash", "launch/gpu_selftest.sh"], capture_output=True, text=True, timeout=60, cwd=root, env=env
+    )
+    assert job.returncode == code, job.stdout
+    assert "crashed" not in job.stdout
