@@ -39,7 +39,7 @@ def fake_cupy(version: str, failing_ranks: tuple[int, ...] = (), p2p=None) -> ty
     nccl.NCCL_SUM, nccl.NCCL_UINT8, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT64 = 0, 1, 6, 7, 8
     nccl.NCCL_BFLOAT16 = 9
     nccl.NcclError = type("NcclError", (RuntimeError,), {})
-    nccl.started, group = [], []
+    nccl.started, nccl.destroyed, group = [], [], []
 
     def memory(pointer: int, count: int) -> np.ndarray:
         return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(pointer))
@@ -68,6 +68,9 @@ def fake_cupy(version: str, failing_ranks: tuple[int, ...] = (), p2p=None) -> ty
 
         def abort(self):
             self.aborted = True
+
+        def destroy(self):
+            nccl.destroyed.append(self)
 
         def send(self, pointer: int, count: int, datatype: int, peer: int, stream: int):
             group.append(lambda: p2p.Issend(memory(pointer, count), dest=peer))
@@ -227,3 +230,27 @@ def _stage_gradients(link: StageLink, schedule: str, micro_batches: int) -> list
         module, batch
     )
     return [loss, *(parameter.grad for parameter in module.parameters())]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cpu_rank_beside_gpu_ranks_decides_with_them_and_nobody_waits(comm, gpus):
+    gpus()
+    device = GPU if comm.rank == 0 else torch.device("cpu")
+    assert type(build_communicator(comm.mpi_comm, "auto", device)) is MpiCommunicator
+    on_cpu = ", ".join(map(str, range(1, comm.size)))
+    with pytest.raises(ConfigError, match=rf"^--comm nccl needs every rank on a GPU, but rank\(s\) {on_cpu} are on"):
+        build_communicator(comm.mpi_comm, "nccl", device)
+    assert type(build_link(comm, "auto", device)) is StageLink
+    with pytest.raises(ConfigError, match=r"^--comm nccl needs every rank on a GPU"):
+        build_link(comm, "nccl", device)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_closing_the_nccl_communicator_destroys_it_once(comm, gpus, monkeypatch):
+    nccl = gpus()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    communicator = build_communicator(comm.mpi_comm, "nccl", GPU)
+    started = communicator.comm
+    communicator.close()
+    communicator.close()
+    assert nccl.destroyed == [started] and communicator.comm is None

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -12,6 +15,7 @@ from torch import nn
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.algorithms import SynchronousModelAveraging, SynchronousSGD
 from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi.replicas import kernels
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.kernels import build_fused_steps, cxx_compiler, fuse
 from crossbow_mpi.replicas.learners import CentralModel, Learners
@@ -124,3 +128,40 @@ def test_compile_without_a_compiler_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ConfigError, match="--compile needs a C.. compiler"):
         Trainer(Config(compile=True, run_dir=str(tmp_path / "run")), self_comm())
+
+
+def test_a_cupy_that_cannot_compile_is_refused_at_start_in_one_line(monkeypatch):
+    class CompileException(Exception):
+        pass
+
+    def kernel(*args, **kwargs):
+        def run(*arrays):
+            raise CompileException("nvrtc: error: failed to open libnvrtc.so.12\nmore")
+
+        return run
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(Device=Device)
+    cupy = types.SimpleNamespace(cuda=cuda, ElementwiseKernel=kernel, zeros=np.zeros, float32=np.float32)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    kernels._cupy_kernel.cache_clear()
+    try:
+        with pytest.raises(
+            ConfigError, match=r"^--fused-step: CuPy cannot compile its kernels \(CompileException: nvrtc"
+        ):
+            kernels.build_fused_steps("sma", torch.device("cuda", 0))
+        assert kernels.build_fused_steps("eager", torch.device("cuda", 0)) == {}
+    finally:
+        kernels._cupy_kernel.cache_clear()

@@ -8,7 +8,7 @@ from crossbow_mpi.comm.base import Communicator
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import ConfigError
 
-__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "start_nccl"]
+__all__ = ["Communicator", "MpiCommunicator", "build_communicator", "device_kinds", "start_nccl"]
 
 
 def build_communicator(
@@ -24,10 +24,11 @@ def build_communicator(
 
     if kind == "nccl" and hierarchy == "node":
         raise ConfigError("--hierarchy node sums over MPI: pass --comm mpi with it (NCCL orders its rings by node)")
-    if kind == "nccl" and device.type != "cuda":
-        raise ConfigError("--comm nccl needs CUDA devices (--device cuda)")
     control = _mpi_communicator(mpi_comm, hierarchy)
-    if device.type != "cuda":
+    kinds = device_kinds(control, device)
+    if "cuda" not in kinds:
+        if kind == "nccl":
+            raise ConfigError("--comm nccl needs CUDA devices (--device cuda)")
         return control
     owners = gpu_owners(control, device)
     most = max(ranks_per_gpu(owners, rank) for rank in range(control.size))
@@ -39,16 +40,31 @@ def build_communicator(
         )
     if hierarchy == "node":
         return control
-    nccl = start_nccl(mpi_comm, kind, device, control, "the allreduce")
+    nccl = start_nccl(mpi_comm, kind, device, control, "the allreduce", kinds)
     return control if nccl is None else nccl
 
 
-def start_nccl(mpi_comm, kind: str, device: torch.device, control: Communicator, purpose: str):
-    """Return NCCL over `mpi_comm` on CUDA ranks for `kind` `nccl`, or `auto` when it starts (else rank 0 of
-    `control` says why in one line); None where MPI carries `purpose` (collective)."""
+def device_kinds(comm: Communicator, device: torch.device) -> list[str]:
+    """Return every rank's device type (`cuda`, `cpu`), in rank order (collective): the ranks decide on NCCL
+    together from it, so that a CPU rank beside GPU ranks (`--device mixed`) never leaves them waiting."""
+    return comm.allgather_json(device.type)
+
+
+def start_nccl(mpi_comm, kind: str, device: torch.device, control: Communicator, purpose: str, kinds: list[str]):
+    """Return NCCL over `mpi_comm` for `kind` `nccl`, or `auto` when it starts (else rank 0 of `control` says why in
+    one line); None where MPI carries `purpose`: `--comm mpi`, or any rank of `kinds` (device_kinds over
+    `control`) not on a GPU (collective)."""
     from crossbow_mpi.comm.nccl import NcclCommunicator
 
-    if kind == "mpi" or device.type != "cuda":
+    if kind == "mpi":
+        return None
+    on_cpu = [rank for rank, device_kind in enumerate(kinds) if device_kind != "cuda"]
+    if on_cpu and kind == "nccl":
+        raise ConfigError(
+            f"--comm nccl needs every rank on a GPU, but rank(s) {', '.join(map(str, on_cpu))} are on the CPU: "
+            "pass --comm mpi or auto"
+        )
+    if on_cpu:
         return None
     try:
         return NcclCommunicator(mpi_comm, device)

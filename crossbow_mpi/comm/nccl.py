@@ -103,6 +103,13 @@ class NcclCommunicator(Communicator):
             raise ConfigError(failures[0])
         return result
 
+    def close(self) -> None:
+        """Destroy the NCCL communicator once the device has finished its collectives; a second call does nothing."""
+        if self.comm is not None:
+            torch.cuda.synchronize(self.device)
+            self.comm.destroy()
+            self.comm = None
+
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         self._run(
             tensor,

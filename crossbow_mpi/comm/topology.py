@@ -79,3 +79,8 @@ class Topology:
         topology = cls.data_parallel(world, data, local_rank, local_size)
         group = world.split(world.rank // (world.size // groups), world.rank)
         return dataclasses.replace(topology, group=group)
+
+    def close(self) -> None:
+        """Release what the scopes hold beside MPI (NCCL communicators), each scope once (collective)."""
+        for scope in {id(scope): scope for scope in (self.data, self.group, self.stage)}.values():
+            scope.close()

@@ -19,7 +19,7 @@ from typing import Callable, Hashable, NamedTuple
 import torch
 from torch import nn
 
-from crossbow_mpi.comm import Communicator, MpiCommunicator, start_nccl
+from crossbow_mpi.comm import Communicator, MpiCommunicator, device_kinds, start_nccl
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, wait_sleeping
 from crossbow_mpi.comm.nccl import NcclCommunicator
 from crossbow_mpi.config import ConfigError
@@ -110,6 +110,9 @@ class StageLink:
         wait_sleeping([request for _, request in self.pending])
         self.pending = []
 
+    def close(self) -> None:
+        """Release what the link holds beside MPI."""
+
     def run_through(self, body: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """Run a forward pass of the whole pipeline without autograd bookkeeping (collective over the stages):
         stage 0 takes `inputs`, each stage passes its output on; return the last stage's output on every stage."""
@@ -140,6 +143,9 @@ class NcclLink(StageLink):
         """Key → a meta tensor of the dtype and shape of the activations this stage sends."""
         self.inputs: dict[Hashable, torch.Tensor] = {}
         """Key → a meta tensor of the dtype and shape of the activations this stage receives."""
+
+    def close(self) -> None:
+        self.nccl.close()
 
     def exchange(
         self, sends: dict[Transfer, torch.Tensor], receives: list[Transfer], keys: list[Hashable], device: torch.device
@@ -253,6 +259,10 @@ class PipelineEngine(SequentialEngine):
         self.micro_batches = micro_batches
         self.steps = schedule_steps(schedule, link.index, link.stages, micro_batches)
 
+    def close(self) -> None:
+        super().close()
+        self.link.close()
+
     def compute_gradients(self, learners: Learners, batches) -> torch.Tensor:
         losses = super().compute_gradients(learners, batches)
         return self.link.share_from_last(losses, losses.device)
@@ -329,7 +339,7 @@ def build_link(stage: Communicator, kind: str, device: torch.device) -> StageLin
     """Return the link between the stages of this rank's pipeline (collective over the stage scope): NCCL on
     CUDA ranks where `--comm` (`kind`) picks it, as for the data scope, else MPI."""
     comm = MpiCommunicator(stage.mpi_comm.Dup())
-    nccl = start_nccl(comm.mpi_comm, kind, device, comm, "the stages' activations")
+    nccl = start_nccl(comm.mpi_comm, kind, device, comm, "the stages' activations", device_kinds(comm, device))
     return StageLink(comm) if nccl is None else NcclLink(comm, nccl)
 
 

@@ -20,7 +20,9 @@ reading g, z, u and writing z, u: five passes where the in-place sequence makes 
 On a CPU the steps are torch.compile's C++ code (its `fma` is a multiply-add instruction); on CUDA they are CuPy
 kernels whose products, sums and quotients are the round-to-nearest intrinsics, so that the compiler cannot
 contract them into multiply-adds the in-place kernels do not make. Where neither is available (a CPU without a
-C++ compiler, CUDA without CuPy) the algorithms keep their in-place sequences.
+C++ compiler, CUDA without CuPy) the algorithms keep their in-place sequences. A CuPy that cannot compile (no
+NVRTC) is refused at start-up. fp16 values compute in float inside the CuPy kernels, so the same bits as the
+in-place sequences hold for float32 and bfloat16 (as tested), not for float16.
 """
 
 from __future__ import annotations
@@ -149,6 +151,24 @@ def _cupy_kernel(spec: tuple[str, str, str, str]):
     return cupy.ElementwiseKernel(*spec, preamble=CUPY_ROUNDED)
 
 
+def _check_cupy_compiles(device: torch.device) -> None:
+    """Compile and run one fused kernel on 1-element arrays, so that a CuPy that cannot compile (no NVRTC) is a
+    one-line ConfigError at start-up instead of an abort at the first step."""
+    import cupy
+
+    try:
+        with cupy.cuda.Device(device.index or 0) as gpu:
+            d, z, u = (cupy.zeros(1, dtype=cupy.float32) for _ in range(3))
+            _cupy_kernel(CUPY_SMA_CENTRAL_UPDATE)(d, cupy.float32(0), z, u)
+            gpu.synchronize()
+    except Exception as err:  # CuPy's CompileException, or NVRTC's library missing at load
+        reason = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"--fused-step: CuPy cannot compile its kernels ({type(err).__name__}: {reason}); install NVRTC for "
+            f"CUDA {torch.version.cuda} (the nvidia-cuda-nvrtc wheel, or the CUDA toolkit) or leave --fused-step off"
+        ) from None
+
+
 def _run_cupy(spec, like: torch.Tensor, inputs: tuple, numbers: tuple[float, ...], outputs: tuple) -> None:
     """Run a CuPy kernel on torch's current stream: tensors in, the numbers as scalars of `like`'s dtype, outputs
     written in place."""
@@ -194,6 +214,8 @@ def build_fused_steps(algorithm: str, device: torch.device) -> dict[str, Callabl
             import cupy  # noqa: F401
         except ImportError:
             return {}
+        if algorithm in FUSED:
+            _check_cupy_compiles(device)
         return {attribute: cupy_update for attribute, (_, cupy_update) in FUSED.get(algorithm, {}).items()}
     if cxx_compiler() is None:
         return {}

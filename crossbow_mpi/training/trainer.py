@@ -170,7 +170,8 @@ class Trainer:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
         `output_fn` picks the class scores from the model's output for evaluation (default: the output itself).
-        Each controller may change the run's hyper-parameters after any step (see components.Controller)."""
+        Each controller may change the run's hyper-parameters after any step (see hooks.Controller). A Trainer
+        trains once: a fit that ends releases its NCCL communicators."""
         cfg, world = self.config, self.topology.world
         agree(world, lambda: _check_test_set(test_set))
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
@@ -188,6 +189,7 @@ class Trainer:
             parts.close(failed=True)
             raise
         parts.close()
+        self.topology.close()
         return result
 
     def _loop(self, run: Run, c: Components) -> FitResult:

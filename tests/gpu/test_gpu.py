@@ -84,7 +84,7 @@ def test_nccl_inside_the_trainer_with_streams_matches_the_sequential_mpi_run(com
     for transport, engine in (("nccl", "streams"), ("mpi", "sequential")):
         cfg = one_epoch(shared_tmp / transport, comm=transport, engine=engine)
         trainer = Trainer(cfg)
-        assert isinstance(trainer.comm, NcclCommunicator) == (transport == "nccl")
+        assert isinstance(trainer.topology.data, NcclCommunicator) == (transport == "nccl")
         results[transport] = trainer.fit(convnet, train, train)
     assert relative_error(results["nccl"].central, results["mpi"].central) < 1e-4
 
@@ -259,7 +259,9 @@ def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
     torch.sub(w, z, out=c).mul_(alpha)
     w.add_(v).sub_(c)
     fv, buffers = v0.clone(), weights[:, n:].clone()
-    with torch.cuda.stream(torch.cuda.Stream(device)):  # the learner's stream, as the stream engine runs it
+    learner_stream = torch.cuda.Stream(device)
+    learner_stream.wait_stream(torch.cuda.current_stream(device))  # the inputs were written on the default stream
+    with torch.cuda.stream(learner_stream):  # the learner's stream, as the stream engine runs it
         cupy_sma_update(weights[:, :n], fv, g0, z, staged[:, :n], lr, weight_decay, momentum, alpha)
         torch.cuda.current_stream(device).synchronize()
     assert torch.equal(fv, v) and torch.equal(weights[:, :n], w) and torch.equal(staged[:, :n], c)
