@@ -29,11 +29,19 @@ def read_config(run_dir: str) -> Config:
         raise ConfigError(f"{run_dir}: no such run directory")
     path = Path(run_dir) / "config.json"
     try:
-        return Config.from_dict(json.loads(path.read_text()))
+        values = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing (not a crossbow_mpi run directory?)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: unreadable ({err})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: not a crossbow_mpi configuration (not a JSON object)")
+    try:
+        return Config.from_dict(values)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except (TypeError, AttributeError) as err:
+        raise ConfigError(f"{path}: not a crossbow_mpi configuration ({err})") from None
 
 
 def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Module, Config, Path]:
@@ -68,6 +76,7 @@ def _newest(run_dir: str) -> Path:
 
 def export(run_dir: str, out: str, checkpoint_file: str | None = None) -> tuple[Path, int]:
     """Write the run's model as a safetensors state_dict to `out`; return the checkpoint used and the tensor count."""
+    checkpoint.refuse_overwrite(out)
     module, config, path = load_model(run_dir, checkpoint_file)
     tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
     metadata = {"model": config.model, "dataset": config.dataset, "checkpoint": path.name}

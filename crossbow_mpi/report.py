@@ -11,6 +11,7 @@ from typing import Callable
 
 from crossbow_mpi.config import ArgumentParser, ConfigError
 from crossbow_mpi.train import EXIT_USER_ERROR
+from crossbow_mpi.training.checkpoint import refuse_overwrite
 
 EAGER_FRESH = "eager_fresh_per_round"
 
@@ -255,10 +256,11 @@ def draw(runs: list[RunRecords]):
 
 def report(run_dirs: list[str], out: str) -> list[str]:
     """Draw the runs into `out` (PNG); return each run's summary line."""
+    refuse_overwrite(out)
     runs = [read_run(run_dir) for run_dir in run_dirs]
     figure = draw(runs)
     try:
-        figure.savefig(out, dpi=100)
+        figure.savefig(out, dpi=100, format="png")  # to `out` exactly: without a suffix matplotlib adds .png
     except (OSError, ValueError) as err:
         raise ConfigError(f"--out {out}: {getattr(err, 'strerror', None) or err}") from None
     finally:

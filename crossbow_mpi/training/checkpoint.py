@@ -155,6 +155,31 @@ def _prune(run_dir: str, keep: int) -> None:
         old.unlink()
 
 
+RUN_RECORDS = ("metrics.jsonl", "config.json")
+"""The files besides its checkpoints that make up a run's records."""
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def refuse_overwrite(out: str | Path, flag: str = "--out") -> None:
+    """Raise ConfigError when writing `out` would overwrite a checkpoint (by name or content) or a run's records."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {out} is a directory: name a file")
+    if not path.exists():
+        return
+    in_run = any((path.parent / name).exists() for name in RUN_RECORDS)
+    if NAME.match(path.name) or (in_run and path.name in RUN_RECORDS) or _is_hdf5(path):
+        raise ConfigError(f"{flag} {out} would overwrite a checkpoint or a run's records: choose another file")
+
+
+def _is_hdf5(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+    except OSError:
+        return False
+
+
 def list_checkpoints(run_dir: str) -> list[Path]:
     """Return the run directory's checkpoints, oldest first."""
     directory = Path(run_dir)

@@ -8,9 +8,9 @@ progress, auto-tuning and hyper-parameter controllers, and, when due, evaluation
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -175,11 +175,12 @@ class Trainer:
         cfg, world = self.config, self.topology.world
         agree(world, lambda: _check_test_set(test_set))
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
-        agree(world, lambda: _prepare_run_dir(cfg, world.rank == 0))
+        agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
         if cfg.adaptive_batch:
             policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
+        agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
         try:
             parts.retuning.choose(run)
             result = self._loop(run, parts)
@@ -337,19 +338,31 @@ def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> 
         )
 
 
-def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
-    if not rank0 or cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None:
-        return  # a --resume without a checkpoint stops in checkpoint.load, naming why, and leaves no trace
+def _check_run_dir(cfg: Config, rank0: bool) -> None:
+    """Refuse a run directory whose checkpoints or records a new run would overwrite; make it where missing."""
+    if not rank0 or cfg.resume:
+        return  # a --resume stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        if not cfg.resume and checkpoint.list_checkpoints(cfg.run_dir):
+        if checkpoint.list_checkpoints(cfg.run_dir):
             raise ConfigError(
                 f"--run-dir {cfg.run_dir} holds checkpoints of an earlier run: "
                 "pass --resume to continue it, or choose another --run-dir"
             )
-        if not cfg.resume:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (run_dir / "config.json").write_text(cfg.to_json() + "\n")
+        records = run_dir / "metrics.jsonl"
+        if records.exists() and records.stat().st_size:
+            raise ConfigError(
+                f"--run-dir {cfg.run_dir} holds the records of an earlier run that wrote no checkpoint "
+                "(metrics.jsonl): choose another --run-dir, or remove that file to start over"
+            )
     except OSError as err:
         raise ConfigError(f"--run-dir {cfg.run_dir}: {err.strerror or err}") from None
+
+
+def _write_config(cfg: Config, rank0: bool) -> None:
+    if rank0:
+        try:
+            (Path(cfg.run_dir) / "config.json").write_text(cfg.to_json() + "\n")
+        except OSError as err:
+            raise ConfigError(f"--run-dir {cfg.run_dir}: {err.strerror or err}") from None
