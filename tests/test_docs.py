@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -75,3 +76,33 @@ def test_mkdocs_builds_without_warnings(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
     assert (tmp_path / "site" / "benchmarks" / "index.html").exists()
+
+
+@pytest.mark.slow
+def test_the_worked_example_of_a_new_algorithm_trains(tmp_path):
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Adding an algorithm") :]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "averaging.py").write_text(example, encoding="utf-8")
+    script = (
+        "import sys\n"
+        "from crossbow_mpi.algorithms import ALGORITHMS\n"
+        "from averaging import ModelAveraging\n"
+        "ALGORITHMS[ModelAveraging.name] = ModelAveraging\n"
+        "from crossbow_mpi.train import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    flags = ["--algorithm", "averaging", "--data-dir", str(REPO / "datasets" / "mnist"), "--learners", "2"]
+    flags += ["--epochs", "0.05", "--eval-every", "3000", "--target-accuracy", "0.9", "--threads", "1"]
+    result = subprocess.run(
+        [sys.executable, "-c", script, *flags, "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["algorithm"] == "averaging"
+    assert summary["final_test_accuracy"] > 0.8
