@@ -29,12 +29,25 @@ def test_readme_is_at_most_16_kb():
     assert size <= README_LIMIT, f"README.md is {size} bytes; move details to docs/ (limit {README_LIMIT})"
 
 
-def test_readme_links_point_at_files_that_exist():
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it (and MkDocs, for headings without runs of punctuation)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_point_at_files_and_headings_that_exist():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     targets = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t) and t[0] != "#"]
     assert targets
-    missing = [t for t in targets if not (REPO / t.split("#")[0]).exists()]
-    assert not missing, f"README.md links to missing files: {missing}"
+    missing = []
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        if not (REPO / path).exists():
+            missing.append(target)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", (REPO / path).read_text(encoding="utf-8"), re.M)
+            if anchor not in {slug(h) for h in headings}:
+                missing.append(target)
+    assert not missing, f"README.md links to missing files or headings: {missing}"
 
 
 def test_configuration_page_matches_the_config_docstrings():
