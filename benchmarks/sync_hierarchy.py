@@ -1,5 +1,5 @@
 """Time the sync's sum, flat against by node, for model-sized float32 vectors (run under mpirun on several nodes;
-see README, Hierarchical averaging). Rank 0 prints one line per size: milliseconds per sum, median of --repeats."""
+see docs/clusters.md). Rank 0 prints one line per size: milliseconds per sum, median of --repeats."""
 
 import argparse
 import time

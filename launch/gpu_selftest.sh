@@ -3,7 +3,7 @@
 # (NCCL, --comm mpi's host staging, a device copy), ResNet-32 throughput with 1, 2, 4, 8 and auto learners (SMA)
 # and with S-SGD, and LeNet/MNIST with SMA to 99 %. Needs torch, CuPy, mpi4py with an MPI library and its
 # mpirun, h5py, numpy, pytest and pytest-mpi. What is missing (no MPI library, no pytest-mpi) is installed from
-# the wheels in $WHEELS (default .whl; the README's GPU section says how to download them) into a prefix under
+# the wheels in $WHEELS (default .whl; docs/gpus.md says how to download them) into a prefix under
 # /tmp, without network. Results: $OUT/gpu_selftest.json (default benchmarks/results); the tables are printed,
 # and one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`; the exit code is 0 only on PASS.
 set -uo pipefail
@@ -21,7 +21,7 @@ install_wheels() {  # install the carried wheels matching the patterns into $PRE
   local wheels=()
   # shellcheck disable=SC2206  # each pattern is a glob, expanded on purpose
   for pattern in "$@"; do wheels+=("$WHEELS"/$pattern); done
-  ls "${wheels[@]}" >/dev/null 2>&1 || fail "missing ${wheels[*]}: download them as the README's GPU section says"
+  ls "${wheels[@]}" >/dev/null 2>&1 || fail "missing ${wheels[*]}: download them as docs/gpus.md says"
   "$PYTHON" -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --prefix "$PREFIX" "${wheels[@]}" ||
     fail "could not install ${wheels[*]}"
   local site=("$PREFIX"/lib/python3*/site-packages)

@@ -57,7 +57,7 @@ class CentralModel:
             raise ConfigError(
                 f"the model's non-float buffers or frozen parameters {', '.join(differing)} differ "
                 "between ranks: its forward pass changes them differently on each rank, which "
-                "crossbow_mpi cannot keep consistent (see the README, Python API)"
+                "crossbow_mpi cannot keep consistent (see docs/python-api.md)"
             )
 
 
