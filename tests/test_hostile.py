@@ -4,16 +4,26 @@ no hang, and nothing changed on disk (every file of a pre-existing run directory
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_user_error, run_job, run_tool
+from conftest import REPO, assert_user_error, mpirun_command, run_job, run_tool
 
 TRAIN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.02", "--threads", "1"]
+
+
+def run_command(ranks: int, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python ARGS` on `ranks` ranks; fail the test on a hang."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    cmd = [*mpirun_command(ranks), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -121,3 +131,60 @@ def test_report_writes_exactly_the_file_it_names(trained, tmp_path):
     assert done.returncode == 0, done.stderr
     assert out.is_file() and not (tmp_path / "report.png").exists()
     assert done.stdout.splitlines()[-1] == f"wrote {out}"
+
+
+API_SCRIPT = """
+import sys
+from mpi4py import MPI
+from torch import nn
+from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.data import synthetic_dataset
+
+rank, case, run_dir = MPI.COMM_WORLD.Get_rank(), sys.argv[1], sys.argv[2]
+data = synthetic_dataset((16,), 2, 64 + (rank if case == "datasets of different lengths" else 0), seed=0)
+model_fn = {
+    "architectures of equal size": lambda: nn.Linear(16, 8, bias=False) if rank else nn.Linear(8, 16, bias=False),
+    "architectures of different sizes": lambda: nn.Linear(16, 2 + rank),
+    "a model_fn that returns None": lambda: None,
+    "a model without parameters": lambda: nn.Flatten(),
+}.get(case, lambda: nn.Linear(16, 2))
+config = Config(run_dir=run_dir, epochs=0.1, threads=1, batch_size=4, learners=1, collective_timeout=5)
+try:
+    Trainer(config).fit(model_fn, data, None if case == "no test set" else data)
+except ConfigError as err:
+    print(f"ConfigError: {err}", flush=True)
+"""
+API_CASES = {
+    "architectures of equal size": "rank 1 of the data scope built another model than rank 0",
+    "architectures of different sizes": "rank 1 of the data scope built another model than rank 0",
+    "a model_fn that returns None": "rank 0: model_fn returned NoneType, not a torch.nn.Module",
+    "a model without parameters": "rank 0: the model has no trainable parameters",
+    "no test set": "fit needs a test set to evaluate on (test_set is None)",
+    "datasets of different lengths": "rank 1's training set has 65 samples and rank 0's 64",
+}
+
+
+@pytest.mark.parametrize("case", API_CASES)
+def test_api_misuse_is_one_config_error_on_every_rank(tmp_path, case):
+    script = tmp_path / "misuse.py"
+    script.write_text(API_SCRIPT)
+    done = run_command(2, [str(script), case, str(tmp_path / "run")])
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stdout.splitlines() if line.startswith("ConfigError: ")]
+    assert len(errors) == 2 and all(API_CASES[case] in line for line in errors), done.stdout
+
+
+def test_a_trainer_made_on_one_rank_only_stops_within_the_collective_timeout(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "from mpi4py import MPI\nfrom torch import nn\nfrom crossbow_mpi import Config, Trainer\n"
+        "from crossbow_mpi.data import synthetic_dataset\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0:\n"
+        "    data = synthetic_dataset((1, 4, 4), 2, 64, seed=0)\n"
+        f"    config = Config(run_dir={str(tmp_path / 'run')!r}, threads=1, collective_timeout=2)\n"
+        "    Trainer(config).fit(lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, 2)), data, data)\n"
+    )
+    done = run_command(2, [str(script)], timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "crossbow_mpi: error: rank 0 waited 2 s (--collective-timeout) in Trainer(config)" in done.stderr
+    assert "Traceback" not in done.stderr

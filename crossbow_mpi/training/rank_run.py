@@ -14,7 +14,7 @@ from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
 from crossbow_mpi.comm.topology import Topology
-from crossbow_mpi.config import Config
+from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.replicas.engines import LearnerEngine
@@ -49,6 +49,34 @@ AUTO_FIRST = "ssgd"
 """The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
 
+def build_model(model_fn: Callable[[], nn.Module], device: torch.device, topology: Topology):
+    """Return this rank's model on `device` and its flat layout (collective). ConfigError on every rank when any
+    rank's model_fn gave no trainable torch module, or when the ranks that average one model built different
+    architectures (their parameters would be averaged position by position into nonsense)."""
+    module, layout, problem = None, None, None
+    try:
+        module = model_fn()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"model_fn returned {type(module).__name__}, not a torch.nn.Module")
+        module = module.to(device)
+        layout = FlatLayout(module)
+    except ValueError as err:  # ConfigError, or FlatLayout's "no trainable parameters"
+        problem = f"rank {topology.world.rank}: {err}"
+    problems = [p for p in topology.world.allgather_json(problem) if p]
+    if problems:
+        raise ConfigError(problems[0])
+    assert module is not None and layout is not None
+    shapes = topology.data.allgather_json([layout.signature, layout.num_state])
+    for rank, (signature, size) in enumerate(shapes):
+        if [signature, size] != shapes[0]:
+            raise ConfigError(
+                f"rank {rank} of the data scope built another model than rank 0 (layout {signature} of {size} "
+                f"values against {shapes[0][0]} of {shapes[0][1]}): model_fn must build the same architecture "
+                "on every rank"
+            )
+    return module, layout
+
+
 class Run:
     """Everything one `fit` trains on this rank."""
 
@@ -67,8 +95,7 @@ class Run:
         self.engine = engine
         self.imbalance = imbalance
         torch.manual_seed(config.seed)
-        module = model_fn().to(device)
-        self.layout = FlatLayout(module)
+        module, self.layout = build_model(model_fn, device, topology)
         self.central = CentralModel(module, self.layout)
         topology.data.broadcast_(self.central.z)
         self.central.broadcast_extra_state(topology.data)

@@ -8,6 +8,9 @@ progress, auto-tuning and hyper-parameter controllers, and, when due, evaluation
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +87,24 @@ def agree(comm: Communicator, check: Callable[[], object]):
     return result
 
 
+def rendezvous(world: Communicator, timeout: float, where: str) -> None:
+    """Wait until every rank has reached `where` (collective). When one has not within `timeout` seconds (0, or
+    not a positive number: wait for ever), say so in one line and abort the job instead of hanging."""
+    request = world.mpi_comm.Ibarrier()
+    limited = isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0
+    deadline, poll = time.monotonic() + (timeout if limited else 0), 0.001
+    while not request.Test():
+        if limited and time.monotonic() > deadline:
+            sys.stderr.write(
+                f"crossbow_mpi: error: rank {world.rank} waited {timeout:g} s (--collective-timeout) in {where} for "
+                "ranks that never came: call it on every rank of the job\n"
+            )
+            sys.stderr.flush()
+            world.mpi().COMM_WORLD.Abort(2)
+        time.sleep(poll)
+        poll = min(2 * poll, 0.05)
+
+
 class Trainer:
     """Train a model with one of the algorithms over all MPI ranks of the job."""
 
@@ -91,6 +112,7 @@ class Trainer:
         self.config = config
         process.install_abort_on_failure()
         world = comm or MpiCommunicator(process.mpi().COMM_WORLD)
+        rendezvous(world, config.collective_timeout, "Trainer(config)")
         agree(world, process.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
         if config.tensorboard:
@@ -143,6 +165,7 @@ class Trainer:
         cfg, world = self.config, self.topology.world
         learners = 1 if cfg.learners == "auto" else cfg.learners
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
+        _check_same_datasets(world, train_set, test_set)
         if cfg.pipeline_stages > 1:
             stage, device = self.topology.stage, self.device
             cut = agree(world, lambda: _pipeline_cut(cfg, model_fn, train_set, device) if world.rank == 0 else None)
@@ -173,6 +196,7 @@ class Trainer:
         Each controller may change the run's hyper-parameters after any step (see hooks.Controller). A Trainer
         trains once: a fit that ends releases its NCCL communicators."""
         cfg, world = self.config, self.topology.world
+        rendezvous(world, cfg.collective_timeout, "Trainer.fit")
         agree(world, lambda: _check_test_set(test_set))
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
@@ -325,6 +349,8 @@ def _pipeline_cut(cfg: Config, model_fn: Callable[[], nn.Module], train_set, dev
 
 
 def _check_test_set(test_set) -> None:
+    if test_set is None:
+        raise ConfigError("fit needs a test set to evaluate on (test_set is None)")
     if len(test_set) == 0:
         raise ConfigError("the test set is empty")
 
@@ -336,6 +362,18 @@ def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> 
             f"one global step needs {step} samples (learners × ranks × batch size) "
             f"but the training set has {len(train_set)}"
         )
+
+
+def _check_same_datasets(world: Communicator, train_set, test_set) -> None:
+    """ConfigError on every rank when the ranks were given datasets of different lengths (collective)."""
+    lengths = world.allgather_json([len(train_set), None if test_set is None else len(test_set)])
+    for rank, theirs in enumerate(lengths):
+        for role, first, other in zip(("training set", "test set"), lengths[0], theirs, strict=True):
+            if other != first:
+                raise ConfigError(
+                    f"rank {rank}'s {role} has {other} samples and rank 0's {first}: "
+                    "pass the same datasets on every rank"
+                )
 
 
 def _check_run_dir(cfg: Config, rank0: bool) -> None:
