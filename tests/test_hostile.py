@@ -65,6 +65,13 @@ def killed_before_its_first_checkpoint(run: Path) -> None:
         path.unlink()
 
 
+def garbage_sums(data: Path) -> None:
+    data.mkdir()
+    for path in (REPO / "datasets" / "mnist").glob("*.gz"):
+        (data / path.name).symlink_to(path)
+    (data / "SHA256SUMS").write_bytes(bytes(range(256)))
+
+
 CASES = {
     "resume with another model": Case(
         "crossbow_mpi",
@@ -102,6 +109,12 @@ CASES = {
         lambda run: [str(run), "--out", str(run.parent / "model.safetensors")],
         "config.json: --learners: invalid value {}",
         write("config.json", '{"learners": {}}\n'),
+    ),
+    "a SHA256SUMS that is not text": Case(
+        "crossbow_mpi",
+        lambda run: ["--run-dir", str(run.parent / "new"), "--data-dir", str(run.parent / "data"), *TRAIN[2:]],
+        "SHA256SUMS: not text",
+        lambda run: garbage_sums(run.parent / "data"),
     ),
     "report onto the run's config": Case(
         "crossbow_mpi.report", lambda run: [str(run), "--out", str(run / "config.json")], "run's records"
@@ -188,3 +201,14 @@ def test_a_trainer_made_on_one_rank_only_stops_within_the_collective_timeout(tmp
     assert done.returncode == 2, done.stderr
     assert "crossbow_mpi: error: rank 0 waited 2 s (--collective-timeout) in Trainer(config)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["sma", "hogbatch"])
+def test_a_divergence_names_the_cause_the_fix_and_what_was_kept(tmp_path, algorithm):
+    run = tmp_path / "run"
+    done = run_job(2, ["--run-dir", str(run), *TRAIN, "--algorithm", algorithm, "--lr", "1e6"], timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("crossbow_mpi")]
+    assert done.returncode == 3 and len(lines) == 1, done.stderr
+    assert "diverged at iteration" in lines[0] and "lower --lr (or --momentum)" in lines[0]
+    assert "no checkpoint was written" in lines[0] and "Traceback" not in done.stderr
+    assert ("adds momentum of its own" in lines[0]) == (algorithm == "hogbatch")

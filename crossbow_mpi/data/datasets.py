@@ -134,8 +134,12 @@ def verify_checksums(directory: str | Path, names: Iterable[str], sums_file: str
 def _read_sums(sums_path: Path) -> dict[str, str]:
     if not sums_path.is_file():
         raise DataError(f"{sums_path}: missing")
+    try:
+        text = sums_path.read_text()
+    except UnicodeDecodeError:
+        raise DataError(f"{sums_path}: not text (lines of '<sha256 hex>  <name>')") from None
     sums = {}
-    for line_number, line in enumerate(sums_path.read_text().splitlines(), start=1):
+    for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         match = _SUMS_LINE.fullmatch(line)

@@ -49,18 +49,25 @@ class Clock:
         return state.elapsed_s + time.perf_counter() - self.started
 
 
+ASYNCHRONOUS = ("omnivore", "hogbatch")
+"""The algorithms whose groups update z asynchronously (Omnivore's implicit momentum)."""
+
+
 class DivergenceCheck:
     """Check the central model for NaN and Inf one step late, so that the host never waits for the step it has
     just queued on a GPU (collective: z is the same on every rank, so every rank raises at the same check)."""
 
-    def __init__(self, world: Communicator):
+    def __init__(self, world: Communicator, run_dir: str):
         self.world = world
+        self.run_dir = run_dir
         self.pending: tuple[int, Callable[[], float], torch.Tensor] | None = None
+        self.algorithm = ""
 
     def after_step(self, run: Run, step: Step) -> None:
         """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
         self.check()
         self.pending = (run.state.iteration, run.engine.after_sync(run.central.z.sum), step.losses)
+        self.algorithm = run.algorithm.name
 
     def check(self) -> None:
         """Raise DivergenceError if the held step's central model is not finite."""
@@ -71,9 +78,18 @@ class DivergenceCheck:
             bad = self.world.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
             culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
             where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
-            raise DivergenceError(
-                f"training diverged at iteration {iteration}: {where}; the last good checkpoint is kept"
+            raise DivergenceError(f"training diverged at iteration {iteration}: {where}; {self._advice()}")
+
+    def _advice(self) -> str:
+        """The likely cause and fix, and what was kept."""
+        fix = "the step was too large: lower --lr (or --momentum)"
+        if self.algorithm in ASYNCHRONOUS:
+            fix += (
+                f"; {self.algorithm} updates z asynchronously, which adds momentum of its own (about 1 - 1/G for G "
+                "asynchronous groups) on top of --momentum"
             )
+        kept = checkpoint.list_checkpoints(self.run_dir)
+        return fix + (f"; the last checkpoint, {kept[-1].name}, is kept" if kept else "; no checkpoint was written")
 
 
 class Evaluation:
@@ -385,7 +401,7 @@ class Components:
             tuning=tuning,
             controllers=adjusting,
             retuning=Retuning(config, world, run, metrics, progress),
-            divergence=DivergenceCheck(world),
+            divergence=DivergenceCheck(world, config.run_dir),
             stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested),
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
             metrics=metrics,
