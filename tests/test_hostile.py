@@ -212,3 +212,16 @@ def test_a_divergence_names_the_cause_the_fix_and_what_was_kept(tmp_path, algori
     assert "diverged at iteration" in lines[0] and "lower --lr (or --momentum)" in lines[0]
     assert "no checkpoint was written" in lines[0] and "Traceback" not in done.stderr
     assert ("adds momentum of its own" in lines[0]) == (algorithm == "hogbatch")
+
+
+@pytest.mark.slow
+def test_resuming_with_other_pipeline_stages_says_so_and_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    trained = run_job(2, ["--run-dir", str(run), *TRAIN, "--pipeline-stages", "2"])
+    assert trained.returncode == 0, trained.stderr
+    before = digest(run)
+    done = run_job(2, ["--run-dir", str(run), *TRAIN, "--resume"])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("crossbow_mpi")]  # mpirun adds its banner
+    assert done.returncode == 2 and len(ours) == 1, done.stderr
+    assert "was written with --pipeline-stages 2: resume with it" in ours[0]
+    assert digest(run) == before

@@ -296,6 +296,9 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
         return {"error": f"--resume: no valid checkpoint in {run_dir}" + (f" ({'; '.join(notes)})" if notes else "")}
     with h5py.File(path, "r") as f:
         if f.attrs["layout_signature"] != layout_signature:
+            stages, held_stages = layout_signature.count("+") + 1, int(f.attrs.get("pipeline_stages", 1))
+            if stages != held_stages:
+                return {"error": f"--resume: {path} was written with --pipeline-stages {held_stages}: resume with it"}
             return {"error": f"--resume: {path} holds a different model (layout {f.attrs['layout_signature']})"}
         held = int(f.attrs["world_size"])
         return {
