@@ -225,3 +225,23 @@ def test_resuming_with_other_pipeline_stages_says_so_and_changes_nothing(tmp_pat
     assert done.returncode == 2 and len(ours) == 1, done.stderr
     assert "was written with --pipeline-stages 2: resume with it" in ours[0]
     assert digest(run) == before
+
+
+def test_a_round_larger_than_the_run_stops_at_its_epochs(tmp_path):
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), *TRAIN, "--algorithm", "hogbatch", "--round-samples", "1000000000000"]
+    done = run_job(2, args, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "after 0.02 epochs" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("flag", ["--fused-step", "--compile"])
+def test_a_compiler_that_cannot_compile_is_no_compiler(tmp_path, monkeypatch, flag):
+    monkeypatch.setenv("CXX", "/bin/false")
+    run = tmp_path / "run"
+    done = run_job(1, ["--run-dir", str(run), *TRAIN, flag], timeout=120)
+    assert "Traceback" not in done.stderr and "InductorError" not in done.stderr, done.stderr
+    if flag == "--fused-step":  # falls back to the in-place steps
+        assert done.returncode == 0, done.stderr
+    else:
+        assert_user_error(done, "crossbow_mpi", "--compile needs a C++ compiler for torch.compile: none that works")

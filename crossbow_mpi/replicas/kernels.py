@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import tempfile
 from typing import Callable
 
 import torch
@@ -45,14 +47,34 @@ SsgdUpdate = Callable[..., None]
 
 
 def cxx_compiler() -> str | None:
-    """Return the path of the C++ compiler that torch.compile's CPU code uses ($CXX, else g++), or None."""
-    return shutil.which(os.environ.get("CXX") or "g++")
+    """Return the path of the C++ compiler that torch.compile's CPU code uses ($CXX, else g++), or None where
+    there is none or it cannot compile a program."""
+    found = shutil.which(os.environ.get("CXX") or "g++")
+    return found if found is not None and _compiles(found) else None
+
+
+@functools.cache
+def _compiles(compiler: str) -> bool:
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            done = subprocess.run(
+                [compiler, "-x", "c++", "-", "-o", os.path.join(scratch, "a.out")],
+                input="int main() { return 0; }\n",
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return done.returncode == 0
 
 
 def require_compiler(flag: str) -> None:
-    """Raise ConfigError when torch.compile would find no C++ compiler."""
+    """Raise ConfigError when torch.compile would find no working C++ compiler."""
     if cxx_compiler() is None:
-        raise ConfigError(f"{flag} needs a C++ compiler for torch.compile: none found ($CXX, else g++ on PATH)")
+        raise ConfigError(
+            f"{flag} needs a C++ compiler for torch.compile: none that works found ($CXX, else g++ on PATH)"
+        )
 
 
 def _sma_update(w, v, g, z, corrections, hp) -> None:

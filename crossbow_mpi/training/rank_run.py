@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -172,7 +173,9 @@ class Run:
     def _train_round(self, lr: float) -> Step:
         started = time.perf_counter()
         state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
-        end = state.offset + (self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes))
+        size = self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes)
+        left = math.ceil((self.config.epochs - self.epoch_progress) * self.num_samples)  # --epochs bounds a round too
+        end = state.offset + max(1, min(size, left))
         position = self.algorithm.begin_round(state.offset, end, self.num_samples, k, batch_sizes)
         group_sizes = self.algorithm.group_batch_sizes(batch_sizes)
         group, sampler = self.algorithm.transport.group, self.group_prefetcher.sampler
