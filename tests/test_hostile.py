@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, assert_user_error, mpirun_command, run_job, run_tool
 
@@ -245,3 +246,52 @@ def test_a_compiler_that_cannot_compile_is_no_compiler(tmp_path, monkeypatch, fl
         assert done.returncode == 0, done.stderr
     else:
         assert_user_error(done, "crossbow_mpi", "--compile needs a C++ compiler for torch.compile: none that works")
+
+
+BAD_LABEL_SCRIPT = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from crossbow_mpi import Config, Trainer
+
+
+class OneBadLabel(Dataset):
+    def __init__(self, where):
+        self.where = where
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.full((16,), float(i)), 12 if i == self.where else i % 2
+
+
+train, test = (OneBadLabel(33), OneBadLabel(-1)) if sys.argv[1] == "training" else (OneBadLabel(-1), OneBadLabel(5))
+config = Config(run_dir=sys.argv[2], threads=1, batch_size=4, learners=1, epochs=1)
+Trainer(config).fit(lambda: nn.Linear(16, 2), train, test)
+"""
+
+
+@pytest.mark.parametrize("role", ["training", "test"])
+def test_a_label_outside_the_classes_found_mid_run_is_one_line(tmp_path, role):
+    script = tmp_path / "bad_label.py"
+    script.write_text(BAD_LABEL_SCRIPT)
+    done = run_command(2, [str(script), role, str(tmp_path / "run")])
+    ours = [line for line in done.stderr.splitlines() if "crossbow_mpi: error:" in line]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(ours) == 1 and f"the loss cannot take a batch of the {role} set (Target 12 is out of bounds" in ours[0]
+
+
+def test_labels_held_as_targets_are_all_checked_at_start():
+    from torch import nn
+
+    from crossbow_mpi.data import synthetic_dataset
+    from crossbow_mpi.data.checks import check_samples
+    from crossbow_mpi.data.datasets import DataError
+
+    data = synthetic_dataset((16,), 2, 64, seed=0)
+    data.targets = data.targets.clone()
+    data.targets[33] = 12  # a position the sampled check does not read
+    with pytest.raises(DataError, match=r"^sample 33 of the training set: label 12 is outside the model's 2 classes$"):
+        check_samples(nn.Linear(16, 2), torch.float32, data, "training set")

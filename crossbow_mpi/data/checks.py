@@ -48,3 +48,32 @@ def check_samples(
         label, classes = int(targets[0]), scores.shape[1]
         if not 0 <= label < classes:
             raise DataError(f"{where}: label {label} is outside the model's {classes} classes")
+    check_all_labels(dataset, role, classes)
+
+
+def check_all_labels(dataset, role: str, classes: int) -> None:
+    """Where the dataset holds its labels as `targets` (torchvision's datasets, ours), check every one at once."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return
+    labels = torch.as_tensor(targets)
+    if labels.dim() != 1 or labels.dtype.is_floating_point:
+        return
+    outside = ((labels < 0) | (labels >= classes)).nonzero()
+    if len(outside):
+        index = int(outside[0])
+        raise DataError(
+            f"sample {index} of the {role}: label {int(labels[index])} is outside the model's {classes} classes"
+        )
+
+
+def batch_loss(role: str, compute: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """Return compute(*args), a batch's loss; DataError, naming the dataset, when the loss cannot index by a label (one
+    outside the model's classes, at a position the start-up check did not sample)."""
+    try:
+        return compute(*args)
+    except IndexError as err:  # cross_entropy's "Target 12 is out of bounds"
+        raise DataError(
+            f"the loss cannot take a batch of the {role} ({err}): every label must be a class index of the model's "
+            "output"
+        ) from None

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 import torch
 
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.data.checks import batch_loss
 from crossbow_mpi.data.prefetch import Batch
 from crossbow_mpi.replicas.kernels import require_compiler
 from crossbow_mpi.replicas.learners import Learners
@@ -117,7 +118,7 @@ class LearnerEngine:
         """Accumulate the gradient of the module's loss on the batch into its gradients; return the loss."""
         inputs, targets = batch
         with self.autocast(inputs.device.type):
-            loss = self.model_loss(module, inputs, targets)
+            loss = batch_loss("training set", self.model_loss, module, inputs, targets)
         loss.backward()
         return loss.detach()
 

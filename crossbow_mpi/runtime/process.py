@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.data.datasets import DataError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _stop_requested = threading.Event()
@@ -45,9 +46,12 @@ def install_abort_on_failure() -> None:
 
     def abort(exc_type, exc, tb):
         text = "".join(traceback.format_exception(exc_type, exc, tb))
+        user_error = issubclass(exc_type, (ConfigError, DataError))  # a mistake one rank found alone: one line
+        if user_error:
+            text = f"crossbow_mpi: error: {exc}\n"
         sys.stderr.write(f"[rank {rank}] {text}[rank {rank}] aborting the job\n")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        MPI.COMM_WORLD.Abort(2 if user_error else 1)
 
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)

@@ -18,6 +18,7 @@ from crossbow_mpi.config import Config
 from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
 from crossbow_mpi.control.lr_schedule import Schedule
 from crossbow_mpi.control.omnivore_search import OmnivoreOptimizer, optimizes
+from crossbow_mpi.data.checks import batch_loss
 from crossbow_mpi.data.prefetch import to_device
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.replicas.state import TrainState
@@ -169,7 +170,7 @@ def evaluate_model(
         indices = torch.arange(first, min(first + EVAL_BATCH, stop))
         inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
         outputs = module(inputs)
-        loss_sum += float(loss_fn(outputs, targets)) * len(indices)
+        loss_sum += float(batch_loss("test set", loss_fn, outputs, targets)) * len(indices)
         scores = outputs if output_fn is None else output_fn(outputs)
         correct += float((scores.argmax(1) == targets).sum())
     correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
