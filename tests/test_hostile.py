@@ -295,3 +295,21 @@ def test_labels_held_as_targets_are_all_checked_at_start():
     data.targets[33] = 12  # a position the sampled check does not read
     with pytest.raises(DataError, match=r"^sample 33 of the training set: label 12 is outside the model's 2 classes$"):
         check_samples(nn.Linear(16, 2), torch.float32, data, "training set")
+
+
+def test_a_checkpoint_that_does_not_fit_on_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    run = tmp_path / "run"
+    command = [*mpirun_command(1), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run), *TRAIN]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # a 256 KiB limit on any file's size stands in for a full disk: the write fails with EFBIG
+    done = subprocess.run(
+        ["bash", "-c", 'ulimit -f 256 && exec "$@"', "bash", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
+    assert_user_error(done, "crossbow_mpi", "cannot write checkpoint")
+    assert done.stderr.strip().endswith(": File too large")
+    assert not list(run.glob("*.tmp"))

@@ -92,12 +92,20 @@ def save(
             centrals = [c[:stages] for c in centrals]
             _write(path, snapshot, train, gathered, centrals, config_json, layout_signature, cut)
             _prune(run_dir, keep)
-        except OSError as err:
-            error = f"cannot write checkpoint {path}: {err.strerror or err}"
+        except (OSError, RuntimeError) as err:  # h5py on a full disk: an OSError, then a RuntimeError at close
+            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            error = f"cannot write checkpoint {path}: {_reason(err)}"
     error = world.bcast_json(error)
     if error:
         raise CheckpointError(error)
     return path
+
+
+def _reason(err: Exception) -> str:
+    """One line for a failed write: the errno's text where there is one (h5py's own message spans lines)."""
+    cause = err.__context__ if isinstance(err.__context__, OSError) else err
+    errno = getattr(cause, "errno", None)
+    return os.strerror(errno) if errno else (str(cause).strip().splitlines() or [type(cause).__name__])[0]
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
