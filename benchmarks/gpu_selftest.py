@@ -210,7 +210,7 @@ def main() -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
     }

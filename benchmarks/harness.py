@@ -27,9 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -162,7 +162,7 @@ def main(
         store_path.unlink(missing_ok=True)
     store = PointStore(store_path, name, None if args.budget_minutes is None else args.budget_minutes * 60)
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     load_before = os.getloadavg()
     report = measure(options)
     incomplete = f" INCOMPLETE: {'; '.join(report.missing)}." if report.missing else ""
@@ -174,7 +174,7 @@ def main(
         "quick": options.quick,
         "reps": options.reps,
         "date": started.isoformat(timespec="seconds"),
-        "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+        "wall_s": (datetime.datetime.now(datetime.UTC) - started).total_seconds(),
         "command": " ".join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
         "machine": machine(),
         "code": code_version(),
@@ -386,7 +386,7 @@ class PointStore:
 
     def _measure(self, point: dict, limit: dict, timeout: float) -> dict:
         """Run one point, append its record to the store's file and return the record."""
-        date, load_before, started = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), self.clock()
+        date, load_before, started = datetime.datetime.now(datetime.UTC), os.getloadavg(), self.clock()
         result = self.runner(
             point["trainer"], point["ranks"], {**point["flags"], **limit, "seed": point["seed"]}, timeout
         )

@@ -208,7 +208,7 @@ class Config:
                     f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})"
                 )
         for device in self.device.split(","):
-            if device not in DEVICES or device == "mixed" and "," in self.device:
+            if device not in DEVICES or (device == "mixed" and "," in self.device):
                 raise ConfigError(
                     f"--device: unknown value {device!r} (choose from {', '.join(DEVICES)}, or one of "
                     f"{', '.join(DEVICES[:3])} per rank)"
@@ -306,7 +306,7 @@ class Config:
         return json.dumps({**dataclasses.asdict(self), "resume": False}, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "Config":
+    def from_dict(cls, values: dict) -> Config:
         """Build a config from a mapping of field names (dashes or underscores); unknown keys are errors."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
@@ -399,7 +399,7 @@ def coerce(f: dataclasses.Field, value):
 
 def coerce_int(value) -> int:
     """Convert a value to an int; ValueError for a bool or a fractional number."""
-    if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise ValueError(value)
     return int(value)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from crossbow_mpi.config import ArgumentParser, ConfigError
 from crossbow_mpi.train import EXIT_USER_ERROR

@@ -46,7 +46,7 @@ class Communicator(ABC):
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Replace a contiguous tensor, in place, by root's copy."""
 
-    def control_channel(self) -> "ControlChannel":
+    def control_channel(self) -> ControlChannel:
         """Return a private duplicate of this scope for control traffic beside the training loop (collective)."""
         return ControlChannel(self.mpi_comm.Dup())
 

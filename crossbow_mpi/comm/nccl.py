@@ -9,7 +9,8 @@ job with NCCL's message instead of hanging it.
 from __future__ import annotations
 
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch

@@ -63,7 +63,7 @@ class ArrayDataset(Dataset):
             raise ValueError(
                 f"targets must be int64 of shape ({len(inputs)},), got {targets.dtype} of shape {tuple(targets.shape)}"
             )
-        if len(targets) and not (0 <= int(targets.min()) and int(targets.max()) < num_classes):
+        if len(targets) and not (int(targets.min()) >= 0 and int(targets.max()) < num_classes):
             raise ValueError(
                 f"targets must be class indices in [0, {num_classes}), "
                 f"got values from {int(targets.min())} to {int(targets.max())}"

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Hashable, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import torch
 from torch import nn

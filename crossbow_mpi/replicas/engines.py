@@ -14,8 +14,9 @@ the first step compiles, on the calling thread, and `warmup_s` keeps its seconds
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -84,7 +84,7 @@ class HyperParams(_Serialised):
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
 
     @classmethod
-    def from_config(cls, config) -> "HyperParams":
+    def from_config(cls, config) -> HyperParams:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
     def update(self, **changes) -> dict:

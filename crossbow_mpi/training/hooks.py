@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -367,7 +368,7 @@ class Components:
         output_fn: OutputFn | None,
         controllers: Sequence[Controller],
         device: torch.device,
-    ) -> "Components":
+    ) -> Components:
         """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
         world = topology.world
         metrics = MetricsLog(config.run_dir, world.rank == 0, config.tensorboard)

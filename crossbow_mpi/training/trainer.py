@@ -8,9 +8,9 @@ progress, auto-tuning and hyper-parameter controllers, and, when due, evaluation
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -336,7 +336,7 @@ def _check_train_set(train_set, cfg: Config, learners: int, world_size: int) -> 
 
 
 def _prepare_run_dir(cfg: Config, rank0: bool) -> None:
-    if not rank0 or cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None:
+    if not rank0 or (cfg.resume and checkpoint.newest_valid(cfg.run_dir)[0] is None):
         return  # a --resume without a checkpoint stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
