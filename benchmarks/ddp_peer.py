@@ -158,7 +158,7 @@ def main() -> None:
         return result
 
     started = time.perf_counter()
-    for epoch_progress, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
+    for _, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
         step_started = time.perf_counter()
         inputs, targets = train_set.get_batch(indices)
         optimizer.zero_grad()

@@ -116,7 +116,7 @@ class Report:
         """Render the rows as a fixed-width text table."""
         cells = [self.columns] + [[format_value(row.get(c)) for c in self.columns] for row in self.rows]
         widths = [max(len(line[i]) for line in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in cells]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -315,7 +315,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
-        **({"updates": [sum(counts) for counts in zip(*asynchronous)]} if asynchronous else {}),
+        **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),
     }
 

@@ -206,7 +206,7 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     lines = dict.fromkeys((row["algorithm"], row["alpha_rule"]) for row in rows)
-    for index, ((algorithm, rule), marker) in enumerate(zip(lines, "osD^v")):
+    for index, ((algorithm, rule), marker) in enumerate(zip(lines, "osD^v", strict=False)):
         mine = [row for row in rows if (row["algorithm"], row["alpha_rule"]) == (algorithm, rule)]
         shift = 2 ** (0.05 * (index - (len(lines) - 1) / 2))  # side by side, so that equal medians stay apart
         reached = [row for row in mine if row["epochs"] is not None]

@@ -1,5 +1,6 @@
 """Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32."""
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -43,7 +44,7 @@ class MLP(nn.Module):
         super().__init__()
         dims = (input_dim, *hidden_dims)
         layers: list[nn.Module] = [nn.Flatten()]
-        for in_dim, out_dim in zip(dims, dims[1:]):
+        for in_dim, out_dim in itertools.pairwise(dims):
             layers += [nn.Linear(in_dim, out_dim), nn.ReLU()]
         layers.append(nn.Linear(dims[-1], num_classes))
         self.layers = nn.Sequential(*layers)

@@ -240,7 +240,7 @@ def draw(runs: list[RunRecords]):
     height = 4.2 * rows + legend_height
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, height), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, xlabel, ylabel, draw_run) in zip(axes.flat, panels):
+    for ax, (title, xlabel, ylabel, draw_run) in zip(axes.flat, panels, strict=False):
         for index, run in enumerate(runs):
             draw_run(ax, run, colors[index % len(colors)])
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)

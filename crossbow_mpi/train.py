@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import os
 import sys
 
@@ -23,7 +24,7 @@ def field_docs(cls) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(following, ast.Expr)

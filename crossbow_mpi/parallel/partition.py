@@ -56,7 +56,7 @@ def split_model(model, stages: int, cut: list[int] | None = None) -> list[list[n
     cut = param_cut(model, stages) if cut is None else cut
     if len(cut) != stages - 1 or cut != sorted(set(cut)) or (cut and not 0 < cut[0] <= cut[-1] < len(units)):
         raise ValueError(f"the pipeline cut {cut} does not split the model's {len(units)} units into {stages} stages")
-    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cut], [*cut, len(units)])]
+    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cut], [*cut, len(units)], strict=True)]
 
 
 def param_cut(model, stages: int) -> list[int]:

@@ -261,7 +261,11 @@ class PipelineEngine(SequentialEngine):
     def forward_backward(self, module: PipelineStage, batch) -> torch.Tensor:
         inputs, targets = batch
         micro = list(
-            zip(torch.tensor_split(inputs, self.micro_batches), torch.tensor_split(targets, self.micro_batches))
+            zip(
+                torch.tensor_split(inputs, self.micro_batches),
+                torch.tensor_split(targets, self.micro_batches),
+                strict=True,
+            )
         )
         keys = [tuple(x.shape) for x, _ in micro]
         held, mail, losses = {}, {}, []
@@ -345,7 +349,7 @@ def stage_modules(model: nn.Module, stages: int, cut: list[int] | None = None) -
 
 def load_stages(model: nn.Module, shards: list[tuple[torch.Tensor, bytes]], cut: list[int] | None = None) -> nn.Module:
     """Load each stage's state vector and extra state into the model cut at `cut`; return the model."""
-    for stage, (z, extra) in zip(stage_modules(model, len(shards), cut), shards):
+    for stage, (z, extra) in zip(stage_modules(model, len(shards), cut), shards, strict=True):
         FlatLayout(stage).load(stage, z, extra)
     return model
 

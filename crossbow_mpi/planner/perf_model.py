@@ -250,5 +250,5 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares intercept and slope of y = a + b·x."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope

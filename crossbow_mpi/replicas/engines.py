@@ -196,7 +196,7 @@ class StreamEngine(LearnerEngine):
         while len(self.streams) < learners.k:
             self.streams.append(torch.cuda.Stream())
         losses = []
-        for j, (stream, batch) in enumerate(zip(self.streams, batches)):
+        for j, (stream, batch) in enumerate(zip(self.streams, batches, strict=False)):
             stream.wait_stream(current)
             for tensor in batch:
                 tensor.record_stream(stream)
@@ -204,7 +204,7 @@ class StreamEngine(LearnerEngine):
                 self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
                 losses.append(self.learner_step(learners, j, batch))
-        for stream, loss in zip(self.streams, losses):
+        for stream, loss in zip(self.streams, losses, strict=False):
             current.wait_stream(stream)
             loss.record_stream(current)
         return losses

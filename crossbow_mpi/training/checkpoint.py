@@ -130,13 +130,13 @@ def _write(
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         group.attrs["choice"] = json.dumps(snapshot["choice"])
         sizes = []
-        for stage, (z, u, extra) in enumerate(zip(*centrals)):
+        for stage, (z, u, extra) in enumerate(zip(*centrals, strict=True)):
             group = f.create_group(central_group(stage, stages))
             group.create_dataset("z", data=np.frombuffer(z, dtype=dtype))
             group.create_dataset("u", data=np.frombuffer(u, dtype=dtype))
             group.create_dataset("extra", data=np.frombuffer(extra, dtype=np.uint8))
             sizes.append((group["z"].size, group["u"].size))
-        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered)):
+        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered, strict=True)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
             group.attrs["controllers"] = controllers.decode()
@@ -284,7 +284,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
             "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
             "controllers": [json.loads(f[f"ranks/{r}"].attrs.get("controllers", "[]")) for r in range(held)],
             "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
-            "notes": notes + [f"resumed from {path.name}"],
+            "notes": [*notes, f"resumed from {path.name}"],
         }
 
 

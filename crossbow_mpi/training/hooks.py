@@ -267,7 +267,7 @@ class Controllers:
     def load_state_dict(self, states: list) -> None:
         """Restore the controllers' states saved by the same list of controllers (others start afresh)."""
         if len(states) == len(self.controllers):
-            for controller, state in zip(self.controllers, states):
+            for controller, state in zip(self.controllers, states, strict=True):
                 if state is not None and hasattr(controller, "load_state_dict"):
                     controller.load_state_dict(state)
 

@@ -8,6 +8,7 @@ progress, auto-tuning and hyper-parameter controllers, and, when due, evaluation
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +156,8 @@ class Trainer:
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
-                agree(world, lambda: check_samples(run.central.module, run.layout.dtype, dataset, role, output_fn))
+                check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
+                agree(world, check)
         return run
 
     def fit(
@@ -294,7 +296,10 @@ def _whole_model(
     state, the model cut at `cut` (collective over the stage scope)."""
     states = stage.allgather_bytes(result.central.view(torch.uint8).numpy().tobytes())
     extras = stage.allgather_bytes(result._extra)
-    shards = [(torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra) for z, extra in zip(states, extras)]
+    shards = [
+        (torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra)
+        for z, extra in zip(states, extras, strict=True)
+    ]
     model = load_stages(model_fn(), shards, cut)
     layout = FlatLayout(model)
     return dataclasses.replace(

@@ -179,7 +179,7 @@ class ModelServer(Communicator):
         wait_sleeping([self.data.mpi_comm.Ibarrier()])
         if self.data.rank == SERVER_RANK:
             with self.lock:
-                for out, held in zip(outs, self.held):
+                for out, held in zip(outs, self.held, strict=True):
                     out.copy_(held)
         for out in outs:
             self.data.broadcast_(out, SERVER_RANK)
@@ -235,7 +235,7 @@ class ModelServer(Communicator):
         self.updates = updates if len(updates) == self.groups else np.zeros(self.groups, np.int64)
         if self.data.rank == SERVER_RANK:
             with self.lock:
-                for mine, restored in zip(self.held, held):
+                for mine, restored in zip(self.held, held, strict=True):
                     mine.copy_(restored)
 
     def _empty_window(self) -> dict:
