@@ -227,7 +227,7 @@ class Config:
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not _has_type(value, f.type):
+            if not _has_type(value, str(f.type)):
                 raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {f.type})")
             if f.type == "float" and not math.isfinite(value):
                 raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")

@@ -77,7 +77,7 @@ class _BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
         if stride == 1 and in_channels == out_channels:
-            self.shortcut = nn.Identity()
+            self.shortcut: nn.Module = nn.Identity()
         else:
             self.shortcut = _ZeroPadShortcut(stride, out_channels - in_channels)
 

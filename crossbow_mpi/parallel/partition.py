@@ -105,11 +105,11 @@ def _trainable(*modules: nn.Module) -> int:
 def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
     """Return the parts - 1 cut points of `costs` into non-empty contiguous parts that minimise the largest sum."""
     n = len(costs)
-    prefix = [0]
+    prefix: list[float] = [0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     # best[p][i]: (largest part, cuts) of the first i costs in p parts
-    best = {(1, i): (prefix[i], []) for i in range(1, n + 1)}
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {(1, i): (prefix[i], []) for i in range(1, n + 1)}
     for p in range(2, parts + 1):
         for i in range(p, n + 1):
             best[(p, i)] = min(

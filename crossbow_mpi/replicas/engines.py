@@ -157,7 +157,7 @@ class ThreadEngine(LearnerEngine):
             # thread trained at 0.64x the samples/s of the same learner on the calling thread. Warming up: compile
             # once, on the calling thread, before the learners run the compiled code side by side
             return self.run_in_turn(learners, batches)
-        if self.workers < learners.k:
+        if self.pool is None or self.workers < learners.k:
             self.close()
             self.pool = ThreadPoolExecutor(max_workers=learners.k, thread_name_prefix="learner")
             self.workers = learners.k

@@ -30,6 +30,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import cast
 
 import h5py
 import numpy as np
@@ -89,8 +90,8 @@ def save(
     error = None
     if world.rank == 0:
         try:
-            centrals = [c[:stages] for c in centrals]
-            _write(path, snapshot, train, gathered, centrals, config_json, layout_signature, cut)
+            stage_centrals = [c[:stages] for c in _on_root(centrals)]
+            _write(path, snapshot, train, _on_root(gathered), stage_centrals, config_json, layout_signature, cut)
             _prune(run_dir, keep)
         except OSError as err:
             error = f"cannot write checkpoint {path}: {err.strerror or err}"
@@ -102,6 +103,12 @@ def save(
 
 def _bytes(tensor: torch.Tensor) -> bytes:
     return np.ascontiguousarray(tensor.detach().cpu().numpy()).tobytes()
+
+
+def _on_root(gathered: list[list[bytes] | None]) -> list[list[bytes]]:
+    """`gather_bytes`' results on its root, where every one is there."""
+    assert None not in gathered
+    return cast(list[list[bytes]], gathered)
 
 
 def _write(
@@ -182,7 +189,7 @@ def check(path: Path) -> str | None:
 
 def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     """Return the newest usable checkpoint and a line for each newer one that was skipped."""
-    skipped = []
+    skipped: list[str] = []
     for path in reversed(list_checkpoints(run_dir)):
         problem = check(path)
         if problem is None:

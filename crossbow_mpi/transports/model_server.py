@@ -160,6 +160,7 @@ class ModelServer(Communicator):
         of the group's next step of `step` samples."""
         with self.lock:
             staleness = self.version - read_version
+            assert self.apply is not None, "serve() sets it on the server's rank"
             self.apply(self.held, message, params)
             self.version += 1
             self.updates[group] += 1
