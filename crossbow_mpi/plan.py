@@ -212,10 +212,10 @@ def table(cells: list[perf_model.Projection]) -> str:
         dp = row[1].speedup
         line = f"{n:>5} {dp:>9.3g}"
         for m in STAGES[1:]:
-            cell = row.get(m)
+            hybrid = row.get(m)
             line += (
-                f" {cell.speedup:>13.3g} {cell.speedup / dp:>6.2f} {'yes' if cell.pal_criterion else 'no':>3}"
-                if cell
+                f" {hybrid.speedup:>13.3g} {hybrid.speedup / dp:>6.2f} {'yes' if hybrid.pal_criterion else 'no':>3}"
+                if hybrid
                 else f" {'-':>13} {'':>6} {'':>3}"
             )
         lines.append(line)

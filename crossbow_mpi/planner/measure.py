@@ -266,7 +266,7 @@ def epoch_curve(path: Path | None) -> tuple[EpochCurve, str]:
         rows = [row for row in json.loads(path.read_text())["rows"] if row.get("epochs") is not None]
         ssgd = [row for row in rows if row.get("algorithm", "ssgd") == "ssgd"]
         final = [row for row in ssgd if row.get("phase", "final") == "final"] or ssgd
-        fewest = {}
+        fewest: dict[int, float] = {}
         for row in final:
             fewest[row["aggregate"]] = min(row["epochs"], fewest.get(row["aggregate"], math.inf))
     except (json.JSONDecodeError, KeyError, TypeError) as err:
@@ -330,7 +330,7 @@ def median_of(values: list):
     first = values[0]
     if all(value == first for value in values[1:]):
         return first
-    if dataclasses.is_dataclass(first):
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = {f.name: median_of([getattr(v, f.name) for v in values]) for f in dataclasses.fields(first)}
         return dataclasses.replace(first, **fields)
     if isinstance(first, dict):

@@ -51,6 +51,8 @@ class LearnerEngine:
     """Compute every learner's gradient on its batch; subclasses choose how the learners share the device."""
 
     name = "base"
+    cut: list[int] | None = None
+    """Where the model was cut into pipeline stages (a pipeline engine's); None for a whole model."""
 
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         self.loss_fn = loss_fn

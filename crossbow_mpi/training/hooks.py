@@ -241,6 +241,7 @@ class Retuning:
             return
         self.last = run.state.elapsed_s if self.last is None else self.last
         if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
+            assert self.optimizer is not None, "`every` is set with an optimizer"
             self.optimizer.retune()
             self.last = clock.elapsed(run.state)
 
@@ -318,7 +319,7 @@ class Checkpoints:
     def restore(self, run: Run) -> list[str]:
         """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
         snapshot, notes = checkpoint.load(self.world, self.config.run_dir, self.signature(run))
-        fixed = self.config.learners if self.config.learners != "auto" else None
+        fixed = self.config.learners if isinstance(self.config.learners, int) else None
         choice = snapshot["choice"]
         if optimizes(self.config) and choice:  # the optimizer's choice, on as many groups as fit these ranks
             run.switch_algorithm(choice["algorithm"], math.gcd(choice["groups"], run.topology.data.size))

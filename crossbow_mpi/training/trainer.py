@@ -63,6 +63,7 @@ class FitResult:
 
     def model(self) -> nn.Module:
         """Return a new `model_fn()` module holding the final z and its frozen parameters and non-float buffers."""
+        assert self._model_fn is not None, "fit sets it"
         module = self._model_fn()
         return FlatLayout(module).load(module, self.central, self._extra)
 
@@ -88,7 +89,7 @@ def agree(comm: Communicator, check: Callable[[], object]):
 class Trainer:
     """Train a model with one of the algorithms over all MPI ranks of the job."""
 
-    def __init__(self, config: Config, comm: Communicator | None = None):
+    def __init__(self, config: Config, comm: MpiCommunicator | None = None):
         self.config = config
         process.install_abort_on_failure()
         world = comm or MpiCommunicator(process.mpi().COMM_WORLD)
@@ -120,7 +121,7 @@ class Trainer:
             world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
         )
         if config.algorithm in ("omnivore", "hogbatch", "elastic"):
-            groups = 1 if config.groups == "auto" else config.groups  # the optimizer starts from one group
+            groups = config.groups if isinstance(config.groups, int) else 1  # the optimizer starts from one group
             groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
             self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
         else:
@@ -142,7 +143,7 @@ class Trainer:
         """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
         a few samples of each dataset against the model first."""
         cfg, world = self.config, self.topology.world
-        learners = 1 if cfg.learners == "auto" else cfg.learners
+        learners = cfg.learners if isinstance(cfg.learners, int) else 1
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         if cfg.pipeline_stages > 1:
             stage, device = self.topology.stage, self.device
@@ -290,7 +291,7 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
 
 
 def _whole_model(
-    result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module], cut: list[int]
+    result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module], cut: list[int] | None
 ) -> FitResult:
     """Return the result of a pipeline run with the whole `model_fn()` model, joined from the stages' z and extra
     state, the model cut at `cut` (collective over the stage scope)."""
