@@ -244,9 +244,9 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
     return [str(path)]
 
 
-def measure(options: harness.Options) -> harness.Report:
-    budget = QUICK if options.quick else FULL
-    common = {**budget.flags(), "threads": 1}
+def run_grid(options: harness.Options, budget: Budget, common: dict) -> tuple[dict[str, Point], list[dict], list[str]]:
+    """Run every grid point GRID_SEEDS times, then, up to BELOW_GRID times, the diverged settings at half their
+    smallest learning rate (`below_grid`); return the points, their runs and what is missing."""
     points = {point.name: point for point in grid(budget)}
     harness.log(f"stat_efficiency: grid of {len(points)} points")
     pruner = harness.Pruner(options.store, "grid", "epochs", "epochs")
@@ -267,6 +267,13 @@ def measure(options: harness.Options) -> harness.Report:
         points |= lower
         grid_runs += tune(lower)
         missing = harness.progress("grid", grid_runs, len(points))
+    return points, grid_runs, missing
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    common = {**budget.flags(), "threads": 1}
+    points, grid_runs, missing = run_grid(options, budget, common)
     grid_rows = [
         {**dict.fromkeys(COLUMNS), **row_keys("grid", point), **harness.train_row(grid_runs, name)}
         for name, point in harness.measured(points, grid_runs).items()
