@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -113,18 +114,36 @@ def shards(sampler: DistributedSampler, batch_size: int, epochs: float, epoch_sa
         epoch += 1
 
 
+@dataclass
+class Progress:
+    """The run's counters since its first step, and the training window since the last evaluation."""
+
+    started: float
+    samples: int = 0
+    iterations: int = 0
+    epoch: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    window_samples: int = 0
+    window_time: float = 0.0
+
+    def step(self, samples: int, loss: float, seconds: float) -> None:
+        self.samples += samples
+        self.iterations += 1
+        self.losses.append(loss)
+        self.window_samples += samples
+        self.window_time += seconds
+
+    def new_window(self) -> None:
+        self.losses, self.window_samples, self.window_time = [], 0, 0.0
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    rank, world = init_process_group()
+    rank, _ = init_process_group()
     train_set, test_set = build_dataset(args.dataset, args.data_dir, args.seed)
     torch.manual_seed(args.seed)
     net = build_model(args.model, train_set.input_shape, train_set.num_classes)
-    model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
-    forward = torch.compile(model) if args.compile else model
-    compile_s = None
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     metrics = Path(args.run_dir) / "metrics.jsonl"
     if rank == 0:
         metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -135,30 +154,27 @@ def main() -> None:
             with metrics.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
-    samples, iterations, next_eval, epoch_progress = 0, 0, args.eval_every, 0.0
-    losses, window_samples, window_time = [], 0, 0.0
-    record, time_to_accuracy, time_limited = None, None, False
+    write(train(args, net, train_set, test_set, write))
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, write) -> dict:
+    """Train DDP S-SGD to the target or a limit, writing each evaluation's record; return the summary record."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
+    forward = torch.compile(model) if args.compile else model
+    compile_s = None
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    next_eval, record, time_to_accuracy, time_limited = args.eval_every, None, None, False
 
     def evaluate_and_write() -> dict:
-        accuracy, test_loss = evaluate(net, test_set, rank, world)
-        train_loss = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
-        dist.all_reduce(train_loss)
-        result = {
-            "time_s": time.perf_counter() - started,
-            "epoch": epoch_progress,
-            "iteration": iterations,
-            "samples": samples,
-            "test_accuracy": accuracy,
-            "test_loss": test_loss,
-            "train_loss": (train_loss[0] / train_loss[1].clamp(min=1)).item(),
-            "samples_per_s": window_samples / max(window_time, 1e-9),
-            "lr": args.lr,
-        }
+        result = evaluation_record(net, test_set, progress, args.lr)
         write(result)
         return result
 
-    started = time.perf_counter()
-    for epoch_progress, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
+    progress = Progress(time.perf_counter())
+    for progress.epoch, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
         step_started = time.perf_counter()
         inputs, targets = train_set.get_batch(indices)
         optimizer.zero_grad()
@@ -167,46 +183,57 @@ def main() -> None:
         optimizer.step()
         if args.compile and compile_s is None:
             compile_s = time.perf_counter() - step_started  # the first step compiles
-        samples += world * args.batch_size
-        iterations += 1
-        losses.append(loss.item())
-        window_samples += world * args.batch_size
-        window_time += time.perf_counter() - step_started
-        if samples >= next_eval:
+        progress.step(world * args.batch_size, loss.item(), time.perf_counter() - step_started)
+        if progress.samples >= next_eval:
             next_eval += args.eval_every
             record = evaluate_and_write()
-            losses, window_samples, window_time = [], 0, 0.0
+            progress.new_window()
             if record["test_accuracy"] >= args.target_accuracy > 0:
                 time_to_accuracy = record["time_s"]
                 break
             if not math.isfinite(record["train_loss"]):
                 break  # diverged: it will not reach the target
-            if args.time_limit and past(started, args.time_limit):
+            if args.time_limit and past(progress.started, args.time_limit):
                 time_limited = True
                 break
-    if record is None or record["iteration"] != iterations:
+    if record is None or record["iteration"] != progress.iterations:
         record = evaluate_and_write()
-    write(
-        {
-            "event": "summary",
-            "reached": time_to_accuracy is not None,
-            "time_to_accuracy_s": time_to_accuracy,
-            "time_limited": time_limited,
-            "target_accuracy": args.target_accuracy,
-            "final_test_accuracy": record["test_accuracy"],
-            "time_s": time.perf_counter() - started,
-            "iterations": iterations,
-            "epochs": epoch_progress,
-            "samples": samples,
-            "learners": 1,
-            "world_size": world,
-            "algorithm": "ddp",
-            "threads_per_rank": torch.get_num_threads(),
-            "device": "cpu",
-            **({"compile_s": compile_s} if args.compile else {}),
-        }
-    )
-    dist.destroy_process_group()
+    return {
+        "event": "summary",
+        "reached": time_to_accuracy is not None,
+        "time_to_accuracy_s": time_to_accuracy,
+        "time_limited": time_limited,
+        "target_accuracy": args.target_accuracy,
+        "final_test_accuracy": record["test_accuracy"],
+        "time_s": time.perf_counter() - progress.started,
+        "iterations": progress.iterations,
+        "epochs": progress.epoch,
+        "samples": progress.samples,
+        "learners": 1,
+        "world_size": world,
+        "algorithm": "ddp",
+        "threads_per_rank": torch.get_num_threads(),
+        "device": "cpu",
+        **({"compile_s": compile_s} if args.compile else {}),
+    }
+
+
+def evaluation_record(net: torch.nn.Module, test_set, progress: Progress, lr: float) -> dict:
+    """Evaluate on the whole test set; return the record of the evaluation and of the window before it."""
+    accuracy, test_loss = evaluate(net, test_set, dist.get_rank(), dist.get_world_size())
+    train_loss = torch.tensor([sum(progress.losses), len(progress.losses)], dtype=torch.float64)
+    dist.all_reduce(train_loss)
+    return {
+        "time_s": time.perf_counter() - progress.started,
+        "epoch": progress.epoch,
+        "iteration": progress.iterations,
+        "samples": progress.samples,
+        "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "train_loss": (train_loss[0] / train_loss[1].clamp(min=1)).item(),
+        "samples_per_s": progress.window_samples / max(progress.window_time, 1e-9),
+        "lr": lr,
+    }
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
     reasons for any test that did not pass."""
     if importlib.util.find_spec("pytest_mpi") is None:
         raise RuntimeError("pytest-mpi is not installed, so the MPI-marked GPU tests would not run")
-    command = mpirun_command(ranks) + [
+    command = [
+        *mpirun_command(ranks),
         sys.executable,
         "tests/mpi_pytest.py",
         "-q",
@@ -107,26 +108,28 @@ def sync_cost() -> list[dict]:
 
     device = torch.device("cuda", 0)
     nccl = NcclCommunicator(process.mpi().COMM_WORLD, device)  # MPI starts here, with the threads the trainer needs
-    rows = []
-    for mib in (1, 16, 256):
-        tensor = torch.ones(mib * 2**18, device=device)
-        target = torch.empty_like(tensor)
-        calls = {
-            "nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
-            "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
-            "device copy us": lambda: target.copy_(tensor),
-        }
-        row = {"MiB": mib}
-        for name, call in calls.items():
+    return [_sync_cost_row(nccl, mib, device) for mib in (1, 16, 256)]
+
+
+def _sync_cost_row(nccl, mib: int, device: torch.device) -> dict:
+    """sync_cost's microseconds per call of each of its calls on `mib` MiB."""
+    tensor = torch.ones(mib * 2**18, device=device)
+    target = torch.empty_like(tensor)
+    calls = {
+        "nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
+        "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
+        "device copy us": lambda: target.copy_(tensor),
+    }
+    row = {"MiB": mib}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(REPEATS):
             call()
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(REPEATS):
-                call()
-            torch.cuda.synchronize()
-            row[name] = (time.perf_counter() - started) / REPEATS * 1e6
-        rows.append(row)
-    return rows
+        torch.cuda.synchronize()
+        row[name] = (time.perf_counter() - started) / REPEATS * 1e6
+    return row
 
 
 def throughput() -> list[dict]:
@@ -210,7 +213,7 @@ def main() -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
     }

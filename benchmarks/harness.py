@@ -27,9 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -123,7 +123,7 @@ class Report:
         """Render the rows as a fixed-width text table."""
         cells = [self.columns] + [[format_value(row.get(c)) for c in self.columns] for row in self.rows]
         widths = [max(len(line[i]) for line in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in cells]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -169,7 +169,7 @@ def main(
         store_path.unlink(missing_ok=True)
     store = PointStore(store_path, name, None if args.budget_minutes is None else args.budget_minutes * 60)
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     load_before = os.getloadavg()
     report = measure(options)
     incomplete = f" INCOMPLETE: {'; '.join(report.missing)}." if report.missing else ""
@@ -181,7 +181,7 @@ def main(
         "quick": options.quick,
         "reps": options.reps,
         "date": started.isoformat(timespec="seconds"),
-        "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+        "wall_s": (datetime.datetime.now(datetime.UTC) - started).total_seconds(),
         "command": " ".join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
         "machine": machine(),
         "code": code_version(),
@@ -322,7 +322,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
-        **({"updates": [sum(counts) for counts in zip(*asynchronous)]} if asynchronous else {}),
+        **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),
     }
 
@@ -393,7 +393,7 @@ class PointStore:
 
     def _measure(self, point: dict, limit: dict, timeout: float) -> dict:
         """Run one point, append its record to the store's file and return the record."""
-        date, load_before, started = datetime.datetime.now(datetime.timezone.utc), os.getloadavg(), self.clock()
+        date, load_before, started = datetime.datetime.now(datetime.UTC), os.getloadavg(), self.clock()
         result = self.runner(
             point["trainer"], point["ranks"], {**point["flags"], **limit, "seed": point["seed"]}, timeout
         )

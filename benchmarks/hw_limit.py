@@ -112,9 +112,6 @@ def worker(settings: dict) -> dict:
     import numpy as np
     import torch
 
-    from crossbow_mpi import Config
-    from crossbow_mpi.data import ArrayDataset, build_dataset
-    from crossbow_mpi.models import build_model
     from crossbow_mpi.runtime import process
 
     MPI = process.mpi()
@@ -138,60 +135,64 @@ def worker(settings: dict) -> dict:
 
     variants, flops = {"matmul": matmul}, {}
     for model in settings["models"]:
-        train_set, test = build_dataset(MODELS[model], str(harness.REPO / "datasets" / "mnist"), seed=1)
-        test_set = ArrayDataset(
-            test.inputs[:TEST_SAMPLES], test.targets[:TEST_SAMPLES], test.num_classes, test.mean, test.std
-        )
-
-        def model_fn(model=model, train_set=train_set):
-            return build_model(model, train_set.input_shape, train_set.num_classes)
-
-        def training(
-            config: dict, pinned: bool, model_fn=model_fn, train_set=train_set, test_set=test_set, model=model
-        ):
-            samples = settings["samples"][model]
-
-            def run(rep: int) -> dict:
-                cpus = os.sched_getaffinity(0)
-                if pinned:
-                    os.sched_setaffinity(0, {sorted(cpus)[world.Get_rank() % len(cpus)]})
-                cfg = Config(
-                    **config,
-                    lr=0.01,
-                    epochs=samples / len(train_set),
-                    target_accuracy=0,
-                    eval_every=samples // 2,
-                    threads=1,
-                    seed=rep + 1,
-                )
-                try:
-                    return {"samples_per_s": harness.crossbow_samples_per_s(cfg, model_fn, train_set, test_set)}
-                finally:
-                    os.sched_setaffinity(0, cpus)
-
-            return run
-
-        def bare(variant: str, model_fn=model_fn, train_set=train_set, model=model):
-            def run(rep: int) -> dict:
-                world.Barrier()
-                return {
-                    "samples_per_s": all_ranks(
-                        bare_samples_per_s(model_fn, train_set, settings["bare_steps"][model], variant)
-                    )
-                }
-
-            return run
-
-        variants |= {
-            f"{model} {name}": training(CONFIGS[name], pinned=name.endswith("pinned")) for name in settings["configs"]
-        }
-        variants |= {f"{model} {name}": bare(name) for name in BARE}
-        flops[model] = {
-            batch: flops_per_sample(model_fn, train_set, batch)
-            for batch in {BARE_BATCH, CONFIGS["sma k=2 b=16"]["batch_size"]}
-        }
+        model_variants, flops[model] = _model_variants(model, settings, world, all_ranks)
+        variants |= model_variants
     runs = harness.interleave(variants, settings["reps"], quiet=True)
     return {"runs": runs, "flops_per_sample": flops}
+
+
+def _model_variants(model: str, settings: dict, world, all_ranks) -> tuple[dict, dict]:
+    """Return the model's variants, crossbow_mpi's configurations and the bare loops, and its FLOPs per sample at
+    their batch sizes."""
+    from crossbow_mpi import Config
+    from crossbow_mpi.data import ArrayDataset, build_dataset
+    from crossbow_mpi.models import build_model
+
+    train_set, test = build_dataset(MODELS[model], str(harness.REPO / "datasets" / "mnist"), seed=1)
+    test_set = ArrayDataset(
+        test.inputs[:TEST_SAMPLES], test.targets[:TEST_SAMPLES], test.num_classes, test.mean, test.std
+    )
+
+    def model_fn():
+        return build_model(model, train_set.input_shape, train_set.num_classes)
+
+    def training(config: dict, pinned: bool):
+        samples = settings["samples"][model]
+
+        def run(rep: int) -> dict:
+            cpus = os.sched_getaffinity(0)
+            if pinned:
+                os.sched_setaffinity(0, {sorted(cpus)[world.Get_rank() % len(cpus)]})
+            cfg = Config(
+                **config,
+                lr=0.01,
+                epochs=samples / len(train_set),
+                target_accuracy=0,
+                eval_every=samples // 2,
+                threads=1,
+                seed=rep + 1,
+            )
+            try:
+                return {"samples_per_s": harness.crossbow_samples_per_s(cfg, model_fn, train_set, test_set)}
+            finally:
+                os.sched_setaffinity(0, cpus)
+
+        return run
+
+    def bare(variant: str):
+        def run(rep: int) -> dict:
+            world.Barrier()
+            steps = settings["bare_steps"][model]
+            return {"samples_per_s": all_ranks(bare_samples_per_s(model_fn, train_set, steps, variant))}
+
+        return run
+
+    variants = {
+        f"{model} {name}": training(CONFIGS[name], pinned=name.endswith("pinned")) for name in settings["configs"]
+    }
+    variants |= {f"{model} {name}": bare(name) for name in BARE}
+    batches = {BARE_BATCH, CONFIGS["sma k=2 b=16"]["batch_size"]}
+    return variants, {batch: flops_per_sample(model_fn, train_set, batch) for batch in batches}
 
 
 def batch_size(config: str) -> int:

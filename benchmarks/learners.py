@@ -163,7 +163,7 @@ def _plot(runs: list[dict], path: Path) -> None:
 
     panels = sorted({(r["model"], r["batch"]) for r in runs})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
-    for ax, (model, batch) in zip(axes[0], panels):
+    for ax, (model, batch) in zip(axes[0], panels, strict=True):
         for run in (r for r in runs if (r["model"], r["batch"]) == (model, batch)):
             ks = sorted(run["throughput"])
             rates = [run["throughput"][k] for k in ks]

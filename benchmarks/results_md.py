@@ -33,7 +33,7 @@ def section(result: dict, base: Path) -> list[str]:
         f"{load['after'][0]:.2f} after; {machine['cpu']}, {machine['cores']} cores{version}",
         "",
     ]
-    lines += markdown_table(result["columns"], result["rows"]) + [""]
+    lines += [*markdown_table(result["columns"], result["rows"]), ""]
     for file in result["files"]:
         lines += [f"![{Path(file).stem}]({os.path.relpath(file, base)})", ""]
     return lines

@@ -206,7 +206,7 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     lines = dict.fromkeys((row["algorithm"], row["alpha_rule"]) for row in rows)
-    for index, ((algorithm, rule), marker) in enumerate(zip(lines, "osD^v")):
+    for index, ((algorithm, rule), marker) in enumerate(zip(lines, "osD^v", strict=False)):
         mine = [row for row in rows if (row["algorithm"], row["alpha_rule"]) == (algorithm, rule)]
         shift = 2 ** (0.05 * (index - (len(lines) - 1) / 2))  # side by side, so that equal medians stay apart
         reached = [row for row in mine if row["epochs"] is not None]
@@ -244,9 +244,9 @@ def plot(rows: list[dict], budget: Budget, path: Path) -> list[str]:
     return [str(path)]
 
 
-def measure(options: harness.Options) -> harness.Report:
-    budget = QUICK if options.quick else FULL
-    common = {**budget.flags(), "threads": 1}
+def run_grid(options: harness.Options, budget: Budget, common: dict) -> tuple[dict[str, Point], list[dict], list[str]]:
+    """Run every grid point GRID_SEEDS times, then, up to BELOW_GRID times, the diverged settings at half their
+    smallest learning rate (`below_grid`); return the points, their runs and what is missing."""
     points = {point.name: point for point in grid(budget)}
     harness.log(f"stat_efficiency: grid of {len(points)} points")
     pruner = harness.Pruner(options.store, "grid", "epochs", "epochs")
@@ -267,6 +267,13 @@ def measure(options: harness.Options) -> harness.Report:
         points |= lower
         grid_runs += tune(lower)
         missing = harness.progress("grid", grid_runs, len(points))
+    return points, grid_runs, missing
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    common = {**budget.flags(), "threads": 1}
+    points, grid_runs, missing = run_grid(options, budget, common)
     grid_rows = [
         {**dict.fromkeys(COLUMNS), **row_keys("grid", point), **harness.train_row(grid_runs, name)}
         for name, point in harness.measured(points, grid_runs).items()

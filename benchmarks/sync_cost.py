@@ -61,6 +61,31 @@ def floats_moved(k: int, n: int) -> int:
 
 def worker(settings: dict) -> dict:
     """Time both variants for every model on this job's ranks; return per-model medians and every loop."""
+    import torch
+
+    from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.runtime import process
+
+    comm = MpiCommunicator(process.mpi().COMM_WORLD)
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    results = {}
+    for name, shape in MODELS.items():
+        floats, variants = _variants(comm, name, shape, settings["calls"])
+        for loop in variants.values():
+            loop(-1)  # warm up (and compile the fused step)
+        runs = harness.interleave(variants, settings["reps"], quiet=True)
+        results[name] = {
+            "floats": floats,
+            "runs": runs,
+            **{f"{v}_us": statistics.median(harness.column(runs, v, "us")) for v in VARIANTS},
+        }
+    return results
+
+
+def _variants(comm, name: str, shape: tuple, calls: int) -> tuple[int, dict]:
+    """Build the model's SMA steps (plain, fused, and fused on this rank alone), the copy and the peer step;
+    return the model's floats and each variant's timed loop."""
     import numpy as np
     import torch
 
@@ -75,70 +100,64 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.runtime import process
 
     MPI = process.mpi()
-    comm = MpiCommunicator(MPI.COMM_WORLD)
-    torch.set_num_threads(1)
-    torch.manual_seed(1)
-    results = {}
-    for name, shape in MODELS.items():
 
-        def model_fn(name=name, shape=shape):
-            return build_model(name, shape, 10)
+    def model_fn():
+        return build_model(name, shape, 10)
 
-        def sma_over(transport, fused: bool):
-            module = model_fn()
-            layout = FlatLayout(module)
-            central = CentralModel(module, layout)
-            learners = Learners(model_fn, layout, central, LEARNERS)
-            learners.grads.normal_(std=1e-3)
-            sma = SynchronousModelAveraging(HyperParams.from_config(Config()), transport, central, learners)
-            if fused:
-                fuse(sma, torch.device("cpu"))
-            return sma
+    def sma_over(transport, fused: bool):
+        module = model_fn()
+        layout = FlatLayout(module)
+        central = CentralModel(module, layout)
+        learners = Learners(model_fn, layout, central, LEARNERS)
+        learners.grads.normal_(std=1e-3)
+        sma = SynchronousModelAveraging(HyperParams.from_config(Config()), transport, central, learners)
+        if fused:
+            fuse(sma, torch.device("cpu"))
+        return sma
 
-        sma, fused, alone = sma_over(comm, False), sma_over(comm, True), sma_over(MpiCommunicator(MPI.COMM_SELF), True)
-        layout = sma.learners.layout
-        buffer = np.ones(layout.num_state, dtype=np.float32)
-        source = torch.ones(floats_moved(LEARNERS, layout.num_state) // 2)
-        target = torch.empty_like(source)
-        replicas = [model_fn() for _ in range(LEARNERS)]
-        params = [p for replica in replicas for p in replica.parameters()]
-        for param in params:
-            param.grad = torch.randn_like(param) * 1e-3
-        sgd = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    sma, fused, alone = sma_over(comm, False), sma_over(comm, True), sma_over(MpiCommunicator(MPI.COMM_SELF), True)
+    layout = sma.learners.layout
+    buffer = np.ones(layout.num_state, dtype=np.float32)
+    source = torch.ones(floats_moved(LEARNERS, layout.num_state) // 2)
+    target = torch.empty_like(source)
+    replicas = [model_fn() for _ in range(LEARNERS)]
+    params = [p for replica in replicas for p in replica.parameters()]
+    for param in params:
+        param.grad = torch.randn_like(param) * 1e-3
+    sgd = torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
 
-        def peer_step():
-            sgd.step()
-            comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)
+    def peer_step():
+        sgd.step()
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)
 
-        def timed(call):
-            def loop(rep: int) -> dict:
-                comm.barrier()
-                started = time.perf_counter()
-                for _ in range(settings["calls"]):
-                    call()
-                elapsed = np.array([(time.perf_counter() - started) / settings["calls"]])
-                comm.mpi_comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
-                return {"us": float(elapsed[0]) * 1e6}
+    return layout.num_state, {
+        "sma_step": _timed(comm, lambda: sma.step(0.01), calls),
+        "fused_step": _timed(comm, lambda: fused.step(0.01), calls),
+        "allreduce": _timed(comm, lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer), calls),
+        "fused_alone": _timed(comm, lambda: alone.step(0.01), calls),
+        "copy": _timed(comm, lambda: target.copy_(source), calls),
+        "peer": _timed(comm, peer_step, calls),
+    }
 
-            return loop
 
-        variants = {
-            "sma_step": timed(lambda: sma.step(0.01)),
-            "fused_step": timed(lambda: fused.step(0.01)),
-            "allreduce": timed(lambda: comm.mpi_comm.Allreduce(MPI.IN_PLACE, buffer)),
-            "fused_alone": timed(lambda: alone.step(0.01)),
-            "copy": timed(lambda: target.copy_(source)),
-            "peer": timed(peer_step),
-        }
-        for loop in variants.values():
-            loop(-1)  # warm up (and compile the fused step)
-        runs = harness.interleave(variants, settings["reps"], quiet=True)
-        results[name] = {
-            "floats": layout.num_state,
-            "runs": runs,
-            **{f"{v}_us": statistics.median(harness.column(runs, v, "us")) for v in VARIANTS},
-        }
-    return results
+def _timed(comm, call, calls: int):
+    """Return a loop that makes `calls` calls and returns the microseconds per call of the slowest rank."""
+    import numpy as np
+
+    from crossbow_mpi.runtime import process
+
+    MPI = process.mpi()
+
+    def loop(rep: int) -> dict:
+        comm.barrier()
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        elapsed = np.array([(time.perf_counter() - started) / calls])
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
+        return {"us": float(elapsed[0]) * 1e6}
+
+    return loop
 
 
 def measure(options: harness.Options) -> harness.Report:

@@ -300,7 +300,7 @@ def measure(options: harness.Options) -> harness.Report:
     runs = [{"phase": "grid", **run} for run in grid_runs]
     missing = harness.progress("grid", grid_runs, len(points))
     if missing:
-        return report(budget, best, {}, grid_rows, runs, missing + ["finalists and throughput not started"])
+        return report(budget, best, {}, grid_rows, runs, [*missing, "finalists and throughput not started"])
     final = finalists(best, budget.compiled)
     harness.log(f"tta: {len(final)} finalists × {options.reps} seeds")
     final_runs = harness.interleave(

@@ -21,6 +21,42 @@ CUTS = ("params", "time")
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
+POSITIVE = (
+    "batch_size",
+    "epochs",
+    "keep_checkpoints",
+    "autotune_interval",
+    "max_learners",
+    "eager_sync_every",
+    "pipeline_stages",
+    "micro_batches",
+    "probe_seconds",
+    "adapt_every",
+    "batch_min",
+    "batch_max",
+    "batch_step",
+)
+"""Fields that must be positive (every per-rank value)."""
+NON_NEGATIVE = (
+    "lr",
+    "momentum",
+    "weight_decay",
+    "alpha",
+    "central_momentum",
+    "merge_momentum",
+    "lr_gamma",
+    "warmup_epochs",
+    "eval_every",
+    "threads",
+    "checkpoint_every",
+    "seed",
+    "autotune_threshold",
+    "max_memory",
+    "collective_timeout",
+    "round_samples",
+    "optimizer_epoch",
+)
+"""Fields that must not be negative (every per-rank value)."""
 
 
 class ConfigError(ValueError):
@@ -180,15 +216,25 @@ class Config:
     def validate(self, algorithms) -> None:
         """Raise ConfigError naming the first invalid field; `algorithms` are the known algorithm names.
         (`inject_imbalance` is parsed where the job's size is known.)"""
-        from crossbow_mpi.data import dataset_names
-        from crossbow_mpi.models import model_names
+        self._validate_types()
+        self._validate_choices(algorithms)
+        self._validate_learners()
+        self._validate_groups()
+        self._validate_signs()
+        self._validate_batches()
+        self._validate_training()
 
+    def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not _has_type(value, f.type):
+            if not _has_type(value, str(f.type)):
                 raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {f.type})")
             if f.type == "float" and not math.isfinite(value):
                 raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
+
+    def _validate_choices(self, algorithms) -> None:
+        from crossbow_mpi.data import dataset_names
+        from crossbow_mpi.models import model_names
 
         choices = {
             "algorithm": (*algorithms, "auto"),
@@ -208,58 +254,29 @@ class Config:
                     f"--{_flag(name)}: unknown value {getattr(self, name)!r} (choose from {', '.join(allowed)})"
                 )
         for device in self.device.split(","):
-            if device not in DEVICES or device == "mixed" and "," in self.device:
+            if device not in DEVICES or (device == "mixed" and "," in self.device):
                 raise ConfigError(
                     f"--device: unknown value {device!r} (choose from {', '.join(DEVICES)}, or one of "
                     f"{', '.join(DEVICES[:3])} per rank)"
                 )
+
+    def _validate_learners(self) -> None:
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
             raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
         if self.algorithm in ("eager", "auto") and self.learners == "auto":
             raise ConfigError(f"--algorithm {self.algorithm} needs a fixed number of --learners, not auto")
         if self.algorithm == "auto" and self.pipeline_stages > 1:
             raise ConfigError("--algorithm auto and --pipeline-stages cannot be combined: choose an algorithm")
-        self._validate_groups()
-        positive = (
-            "batch_size",
-            "epochs",
-            "keep_checkpoints",
-            "autotune_interval",
-            "max_learners",
-            "eager_sync_every",
-            "pipeline_stages",
-            "micro_batches",
-            "probe_seconds",
-            "adapt_every",
-            "batch_min",
-            "batch_max",
-            "batch_step",
-        )
-        for name in positive:
+
+    def _validate_signs(self) -> None:
+        for name in POSITIVE:
             if not min(values(getattr(self, name))) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        non_negative = (
-            "lr",
-            "momentum",
-            "weight_decay",
-            "alpha",
-            "central_momentum",
-            "merge_momentum",
-            "lr_gamma",
-            "warmup_epochs",
-            "eval_every",
-            "threads",
-            "checkpoint_every",
-            "seed",
-            "autotune_threshold",
-            "max_memory",
-            "collective_timeout",
-            "round_samples",
-            "optimizer_epoch",
-        )
-        for name in non_negative:
+        for name in NON_NEGATIVE:
             if not min(values(getattr(self, name))) >= 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
+
+    def _validate_batches(self) -> None:
         if self.batch_min > self.batch_max:
             raise ConfigError(f"--batch-min {self.batch_min} exceeds --batch-max {self.batch_max}")
         if self.pipeline_stages > 1 and (isinstance(self.batch_size, tuple) or self.adaptive_batch):
@@ -270,6 +287,8 @@ class Config:
             raise ConfigError(f"--micro-batches {self.micro_batches} exceeds the --batch-size {self.batch_size}")
         if self.pipeline_stages > 1 and self.learners == "auto":
             raise ConfigError("--pipeline-stages needs a fixed number of --learners (pipelines per rank), not auto")
+
+    def _validate_training(self) -> None:
         if self.time_limit < 0:
             raise ConfigError(f"--time-limit must be 0 (no limit) or positive seconds, got {self.time_limit}")
         if not self.lr > 0:
@@ -306,7 +325,7 @@ class Config:
         return json.dumps({**dataclasses.asdict(self), "resume": False}, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "Config":
+    def from_dict(cls, values: dict) -> Config:
         """Build a config from a mapping of field names (dashes or underscores); unknown keys are errors."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
@@ -399,7 +418,7 @@ def coerce(f: dataclasses.Field, value):
 
 def coerce_int(value) -> int:
     """Convert a value to an int; ValueError for a bool or a fractional number."""
-    if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise ValueError(value)
     return int(value)
 

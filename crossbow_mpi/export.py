@@ -58,7 +58,9 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     stages = stage_modules(module, len(shards), cut)
     layouts = [FlatLayout(stage) for stage in stages]
     expected = "+".join(layout.signature for layout in layouts)
-    sizes = [(layout.num_state, len(layout.extra_state_bytes(stage))) for stage, layout in zip(stages, layouts)]
+    sizes = [
+        (layout.num_state, len(layout.extra_state_bytes(stage))) for stage, layout in zip(stages, layouts, strict=True)
+    ]
     if (signature, [(z.numel(), len(extra)) for z, extra in shards]) != (expected, sizes):
         raise ConfigError(
             f"{path} holds another model (layout {signature}) than {run_dir}'s {config.model} "

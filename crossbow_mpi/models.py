@@ -1,5 +1,6 @@
 """Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32."""
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -43,7 +44,7 @@ class MLP(nn.Module):
         super().__init__()
         dims = (input_dim, *hidden_dims)
         layers: list[nn.Module] = [nn.Flatten()]
-        for in_dim, out_dim in zip(dims, dims[1:]):
+        for in_dim, out_dim in itertools.pairwise(dims):
             layers += [nn.Linear(in_dim, out_dim), nn.ReLU()]
         layers.append(nn.Linear(dims[-1], num_classes))
         self.layers = nn.Sequential(*layers)
@@ -76,7 +77,7 @@ class _BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
         if stride == 1 and in_channels == out_channels:
-            self.shortcut = nn.Identity()
+            self.shortcut: nn.Module = nn.Identity()
         else:
             self.shortcut = _ZeroPadShortcut(stride, out_channels - in_channels)
 

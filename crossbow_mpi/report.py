@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from crossbow_mpi.config import ArgumentParser, ConfigError
 from crossbow_mpi.train import EXIT_USER_ERROR
@@ -241,7 +241,7 @@ def draw(runs: list[RunRecords]):
     height = 4.2 * rows + legend_height
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, height), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, xlabel, ylabel, draw_run) in zip(axes.flat, panels):
+    for ax, (title, xlabel, ylabel, draw_run) in zip(axes.flat, panels, strict=False):
         for index, run in enumerate(runs):
             draw_run(ax, run, colors[index % len(colors)])
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)

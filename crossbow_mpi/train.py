@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import os
 import sys
 
@@ -21,13 +22,16 @@ EXIT_PREEMPTED = 75
 def field_docs(cls) -> dict[str, str]:
     """Return each dataclass field's docstring (the string literal that follows it)."""
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef)
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(class_def.body):
         if (
             isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
             and isinstance(following, ast.Expr)
             and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
         ):
             docs[node.target.id] = following.value.value
     return docs
@@ -52,7 +56,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, metavar=f.name.upper(), help=help_text)
     if quiet:
-        parser.print_help = lambda file=None: None
+        parser.print_help = lambda file=None: None  # type: ignore[method-assign]  # this parser's help only
     return parser
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.ssgd import SynchronousSGD
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 
 class EagerSGD(SynchronousSGD):
     name = "eager"
+    transport: PartialAllreduce
     transport_kind = "partial"
 
     lr: float | None = None
@@ -35,11 +37,12 @@ class EagerSGD(SynchronousSGD):
         self.lr = lr
         super().sync(lr)
 
-    def gradient_divisor(self, carried: torch.Tensor) -> int:
+    def gradient_divisor(self, carried: torch.Tensor) -> float:
         return self.learners.k * sum(self.weights)
 
     def drain(self) -> None:
         if self.transport.drain():
+            assert self.lr is not None, "a round drains after a step"
             super().sync(self.lr)
 
     def statistics(self) -> dict:

@@ -17,7 +17,7 @@ a slow group holds the others up only at the round's end, for at most one of its
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,6 +13,7 @@ class RoundsAlgorithm(Algorithm):
     """Steps in rounds: `begin_round` gives this group its first position, each `sync` sets `next_position`, and
     `end_round` waits for every group."""
 
+    transport: ModelServer
     transport_kind = "server"
     rounds = True
 

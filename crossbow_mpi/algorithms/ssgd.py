@@ -42,6 +42,6 @@ class SynchronousSGD(Algorithm):
             central.params.sub_(central.u, alpha=lr)
         self.learners.reset_to(central.z)
 
-    def gradient_divisor(self, carried: torch.Tensor) -> torch.Tensor | int:
+    def gradient_divisor(self, carried: torch.Tensor) -> torch.Tensor | float:
         """Return the summed weight of the learners whose gradients one step averages: those the allreduce carried."""
         return carried

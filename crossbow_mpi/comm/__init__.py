@@ -10,9 +10,11 @@ from crossbow_mpi.config import ConfigError
 
 __all__ = ["Communicator", "MpiCommunicator", "build_communicator", "device_kinds", "start_nccl"]
 
+CPU = torch.device("cpu")
+
 
 def build_communicator(
-    mpi_comm, kind: str = "mpi", device: torch.device = torch.device("cpu"), hierarchy: str = "flat"
+    mpi_comm, kind: str = "mpi", device: torch.device = CPU, hierarchy: str = "flat"
 ) -> Communicator:
     """Return the communicator for this job's ranks (collective): `mpi`, `nccl`, or `auto` (NCCL on GPUs, else
     MPI; when NCCL cannot start, rank 0 says why in one line and MPI is used).

@@ -46,14 +46,15 @@ class Communicator(ABC):
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Replace a contiguous tensor, in place, by root's copy."""
 
-    def control_channel(self) -> "ControlChannel":
+    def control_channel(self) -> ControlChannel:
         """Return a private duplicate of this scope for control traffic beside the training loop (collective)."""
         return ControlChannel(self.mpi_comm.Dup())
 
     def barrier(self) -> None:
         self.mpi_comm.Barrier()
 
-    def close(self) -> None:
+    # Not abstract: a hook that transports with no threads or communicators of their own leave empty.
+    def close(self) -> None:  # noqa: B027
         """Stop the threads and free the communicators this transport made for itself; those it was given stay
         (collective; after the algorithm's `drain`, when no message is in flight)."""
 
@@ -68,34 +69,41 @@ class Communicator(ABC):
 
     def gather_bytes(self, data: bytes, root: int = 0) -> list[bytes] | None:
         """Return every rank's bytes, in rank order, on root (None elsewhere)."""
-        sizes = np.empty(self.size, dtype=np.int64) if self.rank == root else None
-        self.mpi_comm.Gather(np.array([len(data)], dtype=np.int64), sizes, root=root)
-        out = np.empty(int(sizes.sum()), dtype=np.uint8) if self.rank == root else None
-        self.mpi_comm.Gatherv(
-            np.frombuffer(data, dtype=np.uint8), [out, sizes] if self.rank == root else None, root=root
-        )
+        size, message = np.array([len(data)], dtype=np.int64), np.frombuffer(data, dtype=np.uint8)
         if self.rank != root:
+            self.mpi_comm.Gather(size, None, root=root)
+            self.mpi_comm.Gatherv(message, None, root=root)
             return None
+        sizes = np.empty(self.size, dtype=np.int64)
+        self.mpi_comm.Gather(size, sizes, root=root)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.mpi_comm.Gatherv(message, [out, sizes], root=root)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [out[offsets[i] : offsets[i + 1]].tobytes() for i in range(self.size)]
 
     def scatter_bytes(self, parts: list[bytes] | None, root: int = 0) -> bytes:
         """Send root's parts[i] to rank i; return this rank's part."""
         sizes = np.zeros(self.size, dtype=np.int64)
+        data: np.ndarray | None = None
         if self.rank == root:
             assert parts is not None and len(parts) == self.size
             sizes[:] = [len(p) for p in parts]
+            data = np.frombuffer(b"".join(parts), dtype=np.uint8)
         self.mpi_comm.Bcast(sizes, root=root)
-        data = np.frombuffer(b"".join(parts), dtype=np.uint8) if self.rank == root else None
         out = np.empty(int(sizes[self.rank]), dtype=np.uint8)
         self.mpi_comm.Scatterv([data, sizes] if self.rank == root else None, out, root=root)
         return out.tobytes()
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """Return root's bytes on every rank."""
-        size = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
-        self.mpi_comm.Bcast(size, root=root)
-        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        if self.rank == root:
+            assert data is not None
+            buf = np.frombuffer(data, dtype=np.uint8).copy()
+            self.mpi_comm.Bcast(np.array([len(buf)], dtype=np.int64), root=root)
+        else:
+            size = np.zeros(1, dtype=np.int64)
+            self.mpi_comm.Bcast(size, root=root)
+            buf = np.empty(int(size[0]), np.uint8)
         self.mpi_comm.Bcast(buf, root=root)
         return buf.tobytes()
 

@@ -3,7 +3,7 @@ back within each node, so that only one rank per node sends the model over the n
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

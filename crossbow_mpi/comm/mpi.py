@@ -10,7 +10,7 @@ from crossbow_mpi.comm.base import Communicator, Reduction
 class MpiCommunicator(Communicator):
     """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
 
-    def split(self, color: int, key: int = 0) -> "MpiCommunicator":
+    def split(self, color: int, key: int = 0) -> MpiCommunicator:
         """Return the scope of the ranks that passed the same color, ordered by key (collective)."""
         return MpiCommunicator(self.mpi_comm.Split(color, key))
 

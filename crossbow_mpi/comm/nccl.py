@@ -9,7 +9,8 @@ job with NCCL's message instead of hanging it.
 from __future__ import annotations
 
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -68,10 +69,10 @@ class NcclCommunicator(Communicator):
             raise ConfigError(f"ranks {', '.join(map(str, sharing))} share GPUs, and NCCL needs one GPU per rank")
         cupy = self._on_every_rank("loading CuPy", lambda: _load_cupy(device))
         self.nccl = cupy.cuda.nccl
-        unique_id = self._on_every_rank(
+        root_id = self._on_every_rank(
             "creating the NCCL unique id", lambda: unique_id_bytes(self.nccl.get_unique_id()) if self.rank == 0 else b""
         )
-        unique_id = unique_id_for_cupy(self.bcast_bytes(unique_id), cupy.__version__)
+        unique_id = unique_id_for_cupy(self.bcast_bytes(root_id), cupy.__version__)
         self.comm = self._on_every_rank(
             "starting NCCL",
             lambda: self.nccl.NcclCommunicator(self.size, unique_id, self.rank),
@@ -88,9 +89,9 @@ class NcclCommunicator(Communicator):
     def _on_every_rank(self, step: str, action: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
         """Run one start-up step on every rank; if it failed on any rank, undo it where it succeeded and raise
         ConfigError naming the first failure on every rank (collective)."""
-        result, failure = None, None
+        failure = None
         try:
-            result = action()
+            result = action()  # bound unless `failure` is set, and then neither undone nor returned
         except ConfigError as err:
             failure = str(err)
         except Exception as err:  # any failure (CUDA, NCCL, CuPy's argument types) means: no NCCL on this job

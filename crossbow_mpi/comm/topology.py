@@ -4,8 +4,8 @@ which part of one model."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from crossbow_mpi.comm import Communicator, MpiCommunicator
 from crossbow_mpi.config import ConfigError
@@ -33,7 +33,7 @@ class Topology:
     """How many ranks run on this node."""
 
     @classmethod
-    def data_parallel(cls, world: MpiCommunicator, data: Communicator, local_rank: int, local_size: int) -> "Topology":
+    def data_parallel(cls, world: MpiCommunicator, data: Communicator, local_rank: int, local_size: int) -> Topology:
         """Return the topology where every rank holds a whole model and `data` (world's ranks) averages them."""
         assert data.size == world.size
         return cls(
@@ -53,7 +53,7 @@ class Topology:
         data_comm: Callable[[object], Communicator],
         local_rank: int,
         local_size: int,
-    ) -> "Topology":
+    ) -> Topology:
         """Return the topology of world.size / stages pipelines, each on `stages` consecutive ranks: `stage` holds
         one pipeline's ranks in stage order, `data` (built by `data_comm` from an MPI communicator) the ranks
         that hold the same stage; ValueError when the stages do not divide the ranks."""
@@ -71,7 +71,7 @@ class Topology:
     @classmethod
     def grouped(
         cls, world: MpiCommunicator, data: Communicator, groups: int, local_rank: int, local_size: int
-    ) -> "Topology":
+    ) -> Topology:
         """Return the data-parallel topology with `groups` compute groups of consecutive ranks (collective);
         ConfigError, the same on every rank, when they do not split the ranks evenly."""
         if world.size % groups:

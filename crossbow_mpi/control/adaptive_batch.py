@@ -37,7 +37,7 @@ def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> t
     """Return the batch sizes after one window in which rank i's share of the updates was shares[i]."""
     fair = 1.0 / len(sizes)
     adapted = []
-    for share, size in zip(shares, sizes):
+    for share, size in zip(shares, sizes, strict=True):
         if share > fair and size < policy.largest:
             size = min(size + policy.step, policy.largest)
         elif share < fair and size > policy.smallest:

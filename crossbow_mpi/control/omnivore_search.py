@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from crossbow_mpi.config import Config
 from crossbow_mpi.training.rank_run import Run
@@ -68,7 +68,7 @@ def grid(best_momentum: float, best_lr: float, diverged: list[tuple[float, float
     points = []
     for lr in (best_lr, best_lr / 10):
         for momentum in MOMENTA:
-            if lr == best_lr and momentum > best_momentum or lr < best_lr and momentum < best_momentum:
+            if (lr == best_lr and momentum > best_momentum) or (lr < best_lr and momentum < best_momentum):
                 continue
             if any(momentum >= m and lr >= r for m, r in diverged):
                 continue

@@ -4,7 +4,7 @@ problem and the dataset, not a torch traceback on every rank."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -9,6 +9,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class ArrayDataset(Dataset):
             raise ValueError(
                 f"targets must be int64 of shape ({len(inputs)},), got {targets.dtype} of shape {tuple(targets.shape)}"
             )
-        if len(targets) and not (0 <= int(targets.min()) and int(targets.max()) < num_classes):
+        if len(targets) and not (int(targets.min()) >= 0 and int(targets.max()) < num_classes):
             raise ValueError(
                 f"targets must be class indices in [0, {num_classes}), "
                 f"got values from {int(targets.min())} to {int(targets.max())}"
@@ -103,7 +104,7 @@ class ArrayDataset(Dataset):
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-        if self._mean is None:
+        if self._mean is None or self._std is None:
             return x
         return (x - self._mean) / self._std
 
@@ -298,9 +299,13 @@ def synthetic_dataset(input_shape: Sequence[int], num_classes: int, size: int, s
     return ArrayDataset(inputs, targets, num_classes=num_classes)
 
 
-def _build_real(
-    loader: Callable[[str | Path, bool], ArrayDataset], data_dir: str, seed: int
-) -> tuple[ArrayDataset, ArrayDataset]:
+class Loader(Protocol):
+    """A real dataset's reader: its training or test split from `data_dir`."""
+
+    def __call__(self, data_dir: str | Path, train: bool) -> ArrayDataset: ...
+
+
+def _build_real(loader: Loader, data_dir: str, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
     return loader(data_dir, train=True), loader(data_dir, train=False)
 
 

@@ -8,7 +8,7 @@ On a CPU there is nothing to overlap: `batches` fetches, `prefetch` does nothing
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -64,7 +64,7 @@ def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         rows = indices.tolist()
         items = [dataset[i] for i in rows]
         samples, labels = [torch.as_tensor(x) for x, _ in items], [torch.as_tensor(y) for _, y in items]
-        for i, x, y in zip(rows, samples, labels):
+        for i, x, y in zip(rows, samples, labels, strict=True):
             if x.shape != samples[0].shape:
                 raise DataError(
                     f"sample {i} of {describe(dataset)} has shape {tuple(x.shape)}, "

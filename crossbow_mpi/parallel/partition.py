@@ -54,9 +54,9 @@ def split_model(model, stages: int, cut: list[int] | None = None) -> list[list[n
     `cut` does not fit the model."""
     units = stage_units(model, stages)
     cut = param_cut(model, stages) if cut is None else cut
-    if len(cut) != stages - 1 or cut != sorted(set(cut)) or cut and not 0 < cut[0] <= cut[-1] < len(units):
+    if len(cut) != stages - 1 or cut != sorted(set(cut)) or (cut and not 0 < cut[0] <= cut[-1] < len(units)):
         raise ValueError(f"the pipeline cut {cut} does not split the model's {len(units)} units into {stages} stages")
-    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cut], [*cut, len(units)])]
+    return [[m for unit in units[a:b] for m in unit] for a, b in zip([0, *cut], [*cut, len(units)], strict=True)]
 
 
 def param_cut(model, stages: int) -> list[int]:
@@ -105,11 +105,11 @@ def _trainable(*modules: nn.Module) -> int:
 def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
     """Return the parts - 1 cut points of `costs` into non-empty contiguous parts that minimise the largest sum."""
     n = len(costs)
-    prefix = [0]
+    prefix: list[float] = [0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     # best[p][i]: (largest part, cuts) of the first i costs in p parts
-    best = {(1, i): (prefix[i], []) for i in range(1, n + 1)}
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {(1, i): (prefix[i], []) for i in range(1, n + 1)}
     for p in range(2, parts + 1):
         for i in range(p, n + 1):
             best[(p, i)] = min(

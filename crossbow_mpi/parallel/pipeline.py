@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Hashable, NamedTuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -74,7 +75,11 @@ class StageLink:
         return self.index == self.stages - 1
 
     def exchange(
-        self, sends: dict[Transfer, torch.Tensor], receives: list[Transfer], keys: list[Hashable], device: torch.device
+        self,
+        sends: dict[Transfer, torch.Tensor],
+        receives: list[Transfer],
+        keys: Sequence[Hashable],
+        device: torch.device,
     ) -> dict[Transfer, torch.Tensor]:
         """Run one communication step as a group (with the neighbours' matching steps): send each tensor of
         `sends`, receive each of `receives`; return the received tensors. keys[i] is what sets micro-batch i's
@@ -148,7 +153,11 @@ class NcclLink(StageLink):
         self.nccl.close()
 
     def exchange(
-        self, sends: dict[Transfer, torch.Tensor], receives: list[Transfer], keys: list[Hashable], device: torch.device
+        self,
+        sends: dict[Transfer, torch.Tensor],
+        receives: list[Transfer],
+        keys: Sequence[Hashable],
+        device: torch.device,
     ) -> dict[Transfer, torch.Tensor]:
         for transfer, tensor in sends.items():
             if transfer.tag == ACTIVATION:
@@ -186,7 +195,7 @@ class PipelineStage(nn.Module):
     forward pass (collective over the stage scope), returning the model's output on every stage, so that
     evaluation and the dataset checks run unchanged."""
 
-    def __init__(self, modules: list[nn.Module], link: StageLink):
+    def __init__(self, modules: list[nn.Module], link: StageLink | None):
         super().__init__()
         self.body = nn.Sequential(*modules)
         self.link = link
@@ -194,6 +203,7 @@ class PipelineStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             return self.body(x)
+        assert self.link is not None, "a stage evaluates through its pipeline's link"
         return self.link.run_through(self.body, x)
 
 
@@ -220,7 +230,8 @@ def schedule_steps(schedule: str, stage: int, stages: int, micro_batches: int) -
     send_backward_recv_forward), else the send goes first. So the stages progress even where every send completes
     only when its receive is posted (NCCL)."""
     first, last = stage == 0, stage == stages - 1
-    steps, send = [], None
+    steps: list[tuple] = []
+    send: Transfer | None = None
     for op, i in schedule_ops(schedule, stage, stages, micro_batches):
         tag = ACTIVATION if op == "F" else GRADIENT
         receive = None if (first if op == "F" else last) else Transfer("recv", tag, i)
@@ -267,13 +278,19 @@ class PipelineEngine(SequentialEngine):
         losses = super().compute_gradients(learners, batches)
         return self.link.share_from_last(losses, losses.device)
 
-    def forward_backward(self, module: PipelineStage, batch) -> torch.Tensor:
+    def forward_backward(self, module: PipelineStage, batch) -> torch.Tensor:  # type: ignore[override]  # stages only
         inputs, targets = batch
         micro = list(
-            zip(torch.tensor_split(inputs, self.micro_batches), torch.tensor_split(targets, self.micro_batches))
+            zip(
+                torch.tensor_split(inputs, self.micro_batches),
+                torch.tensor_split(targets, self.micro_batches),
+                strict=True,
+            )
         )
         keys = [tuple(x.shape) for x, _ in micro]
-        held, mail, losses = {}, {}, []
+        held: dict[int, tuple] = {}
+        mail: dict[Transfer, torch.Tensor] = {}
+        losses = []
         for step in self.steps:
             if isinstance(step[0], Transfer):
                 sends = {transfer: mail.pop(transfer) for transfer in step if transfer.op == "send"}
@@ -282,7 +299,8 @@ class PipelineEngine(SequentialEngine):
                 continue
             op, i = step
             if op == "F":
-                held[i] = self._forward(module.body, mail, i, *micro[i], share=len(micro[i][1]) / len(targets))
+                x, y = micro[i]
+                held[i] = self._forward(module.body, mail, i, x, y, share=len(y) / len(targets))
                 losses.append(held[i][1].detach())
             else:
                 self._backward(mail, i, *held.pop(i))
@@ -354,12 +372,13 @@ def stage_modules(model: nn.Module, stages: int, cut: list[int] | None = None) -
 
 def load_stages(model: nn.Module, shards: list[tuple[torch.Tensor, bytes]], cut: list[int] | None = None) -> nn.Module:
     """Load each stage's state vector and extra state into the model cut at `cut`; return the model."""
-    for stage, (z, extra) in zip(stage_modules(model, len(shards), cut), shards):
+    for stage, (z, extra) in zip(stage_modules(model, len(shards), cut), shards, strict=True):
         FlatLayout(stage).load(stage, z, extra)
     return model
 
 
 def _encode(value: torch.Tensor | Exception, data: bool = True) -> bytes:
+    header: dict[str, object]
     if isinstance(value, Exception):
         header, raw = {"error": str(value).strip() or type(value).__name__}, b""
     else:

@@ -31,6 +31,7 @@ Pure functions of measured or given quantities (Pal et al., IEEE Micro 2019):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 ALLREDUCES = ("ring", "tree", "auto")
@@ -134,7 +135,7 @@ class LinkCost:
         return self.host_s_fixed + nbytes * self.host_s_per_byte
 
 
-def fit_link(sizes_bytes: list[float], seconds: list[float], poll_delay_s: float) -> LinkCost:
+def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float], poll_delay_s: float) -> LinkCost:
     """Fit h_0 and h_1 to the host seconds per message measured at two or more sizes (least squares)."""
     if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
         raise ValueError("the stage link fit needs host times of at least two message sizes")
@@ -143,8 +144,8 @@ def fit_link(sizes_bytes: list[float], seconds: list[float], poll_delay_s: float
 
 
 def pipeline_step_s(
-    stage_sample_s: list[float],
-    boundary_bytes: list[float],
+    stage_sample_s: Sequence[float],
+    boundary_bytes: Sequence[float],
     batch: int,
     micro_batches: int,
     network: Network,
@@ -178,7 +179,7 @@ class Workload:
     sample_s: float
     """Forward+backward of the whole model per sample."""
     param_bytes: int
-    stages: dict[int, tuple[list[float], list[float], list[int]]]
+    stages: dict[int, tuple[list[float], list[int], list[int]]]
     """For M stages: each stage's forward+backward per sample, each cut's activation bytes per sample, each
     stage's parameter bytes."""
     micro_batches: int
@@ -246,9 +247,9 @@ def project(
     return cells
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares intercept and slope of y = a + b·x."""
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope

@@ -14,8 +14,9 @@ the first step compiles, on the calling thread, and `warmup_s` keeps its seconds
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -51,6 +52,8 @@ class LearnerEngine:
     """Compute every learner's gradient on its batch; subclasses choose how the learners share the device."""
 
     name = "base"
+    cut: list[int] | None = None
+    """Where the model was cut into pipeline stages (a pipeline engine's); None for a whole model."""
 
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         self.loss_fn = loss_fn
@@ -157,7 +160,7 @@ class ThreadEngine(LearnerEngine):
             # thread trained at 0.64x the samples/s of the same learner on the calling thread. Warming up: compile
             # once, on the calling thread, before the learners run the compiled code side by side
             return self.run_in_turn(learners, batches)
-        if self.workers < learners.k:
+        if self.pool is None or self.workers < learners.k:
             self.close()
             self.pool = ThreadPoolExecutor(max_workers=learners.k, thread_name_prefix="learner")
             self.workers = learners.k
@@ -196,7 +199,7 @@ class StreamEngine(LearnerEngine):
         while len(self.streams) < learners.k:
             self.streams.append(torch.cuda.Stream())
         losses = []
-        for j, (stream, batch) in enumerate(zip(self.streams, batches)):
+        for j, (stream, batch) in enumerate(zip(self.streams, batches, strict=False)):
             stream.wait_stream(current)
             for tensor in batch:
                 tensor.record_stream(stream)
@@ -204,7 +207,7 @@ class StreamEngine(LearnerEngine):
                 self._wait_for_sync(stream)
             with torch.cuda.stream(stream):
                 losses.append(self.learner_step(learners, j, batch))
-        for stream, loss in zip(self.streams, losses):
+        for stream, loss in zip(self.streams, losses, strict=False):
             current.wait_stream(stream)
             loss.record_stream(current)
         return losses

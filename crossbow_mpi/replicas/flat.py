@@ -88,7 +88,9 @@ class FlatLayout:
         """Make the model's trainable parameters and float buffers views of `state` (the parameters: of `params`,
         if given, a parameter vector); drop its gradients."""
         assert state.shape == (self.num_state,)
-        for param, view in zip(self.trainable(model), self.param_views(state if params is None else params)):
+        for param, view in zip(
+            self.trainable(model), self.param_views(state if params is None else params), strict=True
+        ):
             param.data = view  # one Parameter object, however many modules hold it
             param.grad = None
         modules = dict(model.named_modules())
@@ -161,7 +163,7 @@ def take_gradients(params: list[nn.Parameter], views: list[torch.Tensor]) -> Non
     of gradients that autograd wrote fresh, where zeroing bound views and letting autograd add into them makes
     three passes (measured on LeNet, b = 16: 250 µs of a 7 ms step)."""
     fresh, targets, untouched = [], [], []
-    for param, view in zip(params, views):
+    for param, view in zip(params, views, strict=True):
         if param.grad is None:
             untouched.append(view)
         else:

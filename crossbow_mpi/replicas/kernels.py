@@ -32,7 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -217,7 +217,7 @@ def cupy_ssgd_update(g, carried, z, u, lr, weight_decay, momentum) -> None:
     _run_cupy(CUPY_SSGD_UPDATE, z, (g, carried), (lr, weight_decay, momentum), (z, u))
 
 
-FUSED = {
+FUSED: dict[str, dict[str, tuple[Callable[..., None], Callable[..., None]]]] = {
     "sma": {
         "fused_update": (compiled_sma_update, cupy_sma_update),
         "fused_central": (compiled_sma_central_update, cupy_sma_central_update),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -179,6 +180,11 @@ class Learners:
     def share_extra_state(self) -> None:
         """Give every learner and z learner 0's non-float buffers (at every sync; local, no communication)."""
         first, *others = self.buffer_refs
-        targets = [owner._buffers[name] for refs in others for owner, name in refs]
+        targets = _buffers([ref for refs in others for ref in refs])
         if targets:  # one multi-tensor copy: BatchNorm gives every model such buffers, so keep it cheap
-            torch._foreach_copy_(targets, [owner._buffers[name] for owner, name in first] * len(others))
+            torch._foreach_copy_(targets, _buffers(first) * len(others))
+
+
+def _buffers(refs: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+    """The buffers that `(owner, name)` references name (registered tensors, never None)."""
+    return cast(list[torch.Tensor], [owner._buffers[name] for owner, name in refs])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 
 class _Serialised:
     """Dataclasses that are written to checkpoints field by field and read back refusing unknown fields."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -84,7 +87,7 @@ class HyperParams(_Serialised):
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
 
     @classmethod
-    def from_config(cls, config) -> "HyperParams":
+    def from_config(cls, config) -> HyperParams:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
     def update(self, **changes) -> dict:

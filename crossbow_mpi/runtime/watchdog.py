@@ -12,10 +12,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from crossbow_mpi.comm import Communicator
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 HEARTBEAT_TAG = 0x0CB0
 INTERVAL_S = 1.0
@@ -70,7 +74,7 @@ class Watchdog:
     def _run(self) -> None:
         self.incoming = np.zeros(2, dtype=np.int64)
         self.request = self.channel.irecv_any(self.incoming, HEARTBEAT_TAG)
-        sends = []
+        sends: list[MPI.Request] = []
         next_beat = 0.0
         while not self.stopping.is_set():
             now = time.monotonic()

@@ -30,6 +30,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import cast
 
 import h5py
 import numpy as np
@@ -89,8 +90,8 @@ def save(
     error = None
     if world.rank == 0:
         try:
-            centrals = [c[:stages] for c in centrals]
-            _write(path, snapshot, train, gathered, centrals, config_json, layout_signature, cut)
+            stage_centrals = [c[:stages] for c in _on_root(centrals)]
+            _write(path, snapshot, train, _on_root(gathered), stage_centrals, config_json, layout_signature, cut)
             _prune(run_dir, keep)
         except (OSError, RuntimeError) as err:  # h5py on a full disk: an OSError, then a RuntimeError at close
             path.with_name(path.name + ".tmp").unlink(missing_ok=True)
@@ -110,6 +111,12 @@ def _reason(err: Exception) -> str:
 
 def _bytes(tensor: torch.Tensor) -> bytes:
     return np.ascontiguousarray(tensor.detach().cpu().numpy()).tobytes()
+
+
+def _on_root(gathered: list[list[bytes] | None]) -> list[list[bytes]]:
+    """`gather_bytes`' results on its root, where every one is there."""
+    assert None not in gathered
+    return cast(list[list[bytes]], gathered)
 
 
 def _write(
@@ -138,13 +145,13 @@ def _write(
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         group.attrs["choice"] = json.dumps(snapshot["choice"])
         sizes = []
-        for stage, (z, u, extra) in enumerate(zip(*centrals)):
+        for stage, (z, u, extra) in enumerate(zip(*centrals, strict=True)):
             group = f.create_group(central_group(stage, stages))
             group.create_dataset("z", data=np.frombuffer(z, dtype=dtype))
             group.create_dataset("u", data=np.frombuffer(u, dtype=dtype))
             group.create_dataset("extra", data=np.frombuffer(extra, dtype=np.uint8))
             sizes.append((group["z"].size, group["u"].size))
-        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered)):
+        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered, strict=True)):
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
             group.attrs["controllers"] = controllers.decode()
@@ -215,7 +222,7 @@ def check(path: Path) -> str | None:
 
 def newest_valid(run_dir: str) -> tuple[Path | None, list[str]]:
     """Return the newest usable checkpoint and a line for each newer one that was skipped."""
-    skipped = []
+    skipped: list[str] = []
     for path in reversed(list_checkpoints(run_dir)):
         problem = check(path)
         if problem is None:
@@ -320,7 +327,7 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
             "hyperparams": [json.loads(f[f"ranks/{r}"].attrs["hyperparams"]) for r in range(held)],
             "controllers": [json.loads(f[f"ranks/{r}"].attrs.get("controllers", "[]")) for r in range(held)],
             "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
-            "notes": notes + [f"resumed from {path.name}"],
+            "notes": [*notes, f"resumed from {path.name}"],
         }
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -257,6 +258,7 @@ class Retuning:
             return
         self.last = run.state.elapsed_s if self.last is None else self.last
         if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
+            assert self.optimizer is not None, "`every` is set with an optimizer"
             self.optimizer.retune()
             self.last = clock.elapsed(run.state)
 
@@ -283,7 +285,7 @@ class Controllers:
     def load_state_dict(self, states: list) -> None:
         """Restore the controllers' states saved by the same list of controllers (others start afresh)."""
         if len(states) == len(self.controllers):
-            for controller, state in zip(self.controllers, states):
+            for controller, state in zip(self.controllers, states, strict=True):
                 if state is not None and hasattr(controller, "load_state_dict"):
                     controller.load_state_dict(state)
 
@@ -334,7 +336,7 @@ class Checkpoints:
     def restore(self, run: Run) -> list[str]:
         """Load the newest valid checkpoint into the run, resharding to this job; return notes for the user."""
         snapshot, notes = checkpoint.load(self.world, self.config.run_dir, self.signature(run))
-        fixed = self.config.learners if self.config.learners != "auto" else None
+        fixed = self.config.learners if isinstance(self.config.learners, int) else None
         choice = snapshot["choice"]
         if optimizes(self.config) and choice:  # the optimizer's choice, on as many groups as fit these ranks
             run.switch_algorithm(choice["algorithm"], math.gcd(choice["groups"], run.topology.data.size))
@@ -384,7 +386,7 @@ class Components:
         output_fn: OutputFn | None,
         controllers: Sequence[Controller],
         device: torch.device,
-    ) -> "Components":
+    ) -> Components:
         """Build the components and, with `resume`, restore the run from the newest checkpoint (collective)."""
         world = topology.world
         metrics = MetricsLog(config.run_dir, world.rank == 0, config.tensorboard)

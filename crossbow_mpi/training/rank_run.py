@@ -7,13 +7,14 @@ import copy
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
+from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.data.prefetch import BatchPrefetcher
@@ -26,6 +27,7 @@ from crossbow_mpi.replicas.state import HyperParams, TrainState
 from crossbow_mpi.runtime import process
 from crossbow_mpi.runtime.imbalance import Imbalance
 from crossbow_mpi.transports import build_transport
+from crossbow_mpi.transports.model_server import ModelServer
 
 
 @dataclass
@@ -145,6 +147,7 @@ class Run:
             self.algorithm.transport.close()
             self.algorithm = self._build_algorithm(name)
         if name == "omnivore":
+            assert isinstance(self.algorithm.transport, ModelServer)
             self.algorithm.transport.regroup(groups)
 
     @property
@@ -171,14 +174,15 @@ class Run:
         return Step(samples, losses, time.perf_counter() - started, compute_s)
 
     def _train_round(self, lr: float) -> Step:
-        started = time.perf_counter()
+        started, algorithm = time.perf_counter(), self.algorithm
+        assert isinstance(algorithm, RoundsAlgorithm)
         state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
         size = self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes)
         left = math.ceil((self.config.epochs - self.epoch_progress) * self.num_samples)  # --epochs bounds a round too
         end = state.offset + max(1, min(size, left))
-        position = self.algorithm.begin_round(state.offset, end, self.num_samples, k, batch_sizes)
-        group_sizes = self.algorithm.group_batch_sizes(batch_sizes)
-        group, sampler = self.algorithm.transport.group, self.group_prefetcher.sampler
+        position = algorithm.begin_round(state.offset, end, self.num_samples, k, batch_sizes)
+        group_sizes = algorithm.group_batch_sizes(batch_sizes)
+        group, sampler = algorithm.transport.group, self.group_prefetcher.sampler
         sampler.rank, sampler.world_size = group.rank, group.size  # the groups may have changed since the last round
         losses, updates, compute_s = torch.zeros_like(self.losses).expand(k).clone(), 0, 0.0
         while position is not None:
@@ -186,8 +190,8 @@ class Run:
             losses += step_losses
             compute_s += step_compute_s
             updates += 1
-            position = self.algorithm.next_position
-        samples = self.algorithm.end_round() - state.offset
+            position = algorithm.next_position
+        samples = algorithm.end_round() - state.offset
         state.advance(samples)
         self.losses += losses.sum()
         state.loss_count += k * updates

@@ -8,6 +8,7 @@ progress, auto-tuning and hyper-parameter controllers, and, when due, evaluation
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -65,6 +66,7 @@ class FitResult:
 
     def model(self) -> nn.Module:
         """Return a new `model_fn()` module holding the final z and its frozen parameters and non-float buffers."""
+        assert self._model_fn is not None, "fit sets it"
         module = self._model_fn()
         return FlatLayout(module).load(module, self.central, self._extra)
 
@@ -108,7 +110,7 @@ def rendezvous(world: Communicator, timeout: float, where: str) -> None:
 class Trainer:
     """Train a model with one of the algorithms over all MPI ranks of the job."""
 
-    def __init__(self, config: Config, comm: Communicator | None = None):
+    def __init__(self, config: Config, comm: MpiCommunicator | None = None):
         self.config = config
         process.install_abort_on_failure()
         world = comm or MpiCommunicator(process.mpi().COMM_WORLD)
@@ -141,7 +143,7 @@ class Trainer:
             world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
         )
         if config.algorithm in ("omnivore", "hogbatch", "elastic"):
-            groups = 1 if config.groups == "auto" else config.groups  # the optimizer starts from one group
+            groups = config.groups if isinstance(config.groups, int) else 1  # the optimizer starts from one group
             groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
             self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
         else:
@@ -163,7 +165,7 @@ class Trainer:
         """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
         a few samples of each dataset against the model first."""
         cfg, world = self.config, self.topology.world
-        learners = 1 if cfg.learners == "auto" else cfg.learners
+        learners = cfg.learners if isinstance(cfg.learners, int) else 1
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         _check_same_datasets(world, train_set, test_set)
         if cfg.pipeline_stages > 1:
@@ -178,7 +180,8 @@ class Trainer:
         run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
-                agree(world, lambda: check_samples(run.central.module, run.layout.dtype, dataset, role, output_fn))
+                check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
+                agree(world, check)
         return run
 
     def fit(
@@ -315,13 +318,16 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
 
 
 def _whole_model(
-    result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module], cut: list[int]
+    result: FitResult, stage: Communicator, model_fn: Callable[[], nn.Module], cut: list[int] | None
 ) -> FitResult:
     """Return the result of a pipeline run with the whole `model_fn()` model, joined from the stages' z and extra
     state, the model cut at `cut` (collective over the stage scope)."""
     states = stage.allgather_bytes(result.central.view(torch.uint8).numpy().tobytes())
     extras = stage.allgather_bytes(result._extra)
-    shards = [(torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra) for z, extra in zip(states, extras)]
+    shards = [
+        (torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra)
+        for z, extra in zip(states, extras, strict=True)
+    ]
     model = load_stages(model_fn(), shards, cut)
     layout = FlatLayout(model)
     return dataclasses.replace(

@@ -12,6 +12,7 @@ def build_transport(kind: str, data: Communicator, config, group: Communicator |
     if kind == "server":
         from crossbow_mpi.transports.model_server import ModelServer
 
+        assert group is not None, "the model server serves compute groups"
         return ModelServer(data, group, data.size // group.size)
     if kind == "partial":
         from crossbow_mpi.transports.partial_allreduce import PartialAllreduce

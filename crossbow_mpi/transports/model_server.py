@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -160,6 +160,7 @@ class ModelServer(Communicator):
         of the group's next step of `step` samples."""
         with self.lock:
             staleness = self.version - read_version
+            assert self.apply is not None, "serve() sets it on the server's rank"
             self.apply(self.held, message, params)
             self.version += 1
             self.updates[group] += 1
@@ -179,7 +180,7 @@ class ModelServer(Communicator):
         wait_sleeping([self.data.mpi_comm.Ibarrier()])
         if self.data.rank == SERVER_RANK:
             with self.lock:
-                for out, held in zip(outs, self.held):
+                for out, held in zip(outs, self.held, strict=True):
                     out.copy_(held)
         for out in outs:
             self.data.broadcast_(out, SERVER_RANK)
@@ -235,7 +236,7 @@ class ModelServer(Communicator):
         self.updates = updates if len(updates) == self.groups else np.zeros(self.groups, np.int64)
         if self.data.rank == SERVER_RANK:
             with self.lock:
-                for mine, restored in zip(self.held, held):
+                for mine, restored in zip(self.held, held, strict=True):
                     mine.copy_(restored)
 
     def _empty_window(self) -> dict:

@@ -100,6 +100,7 @@ class PartialAllreduce(Communicator):
             self.last = self._arrive(_settled(tensor.clone()), "sync" if synchronous else "eager")
         else:
             self.last, self.drained = self.drained, None
+        assert self.last.total is not None, "a round this rank arrived at carries its contribution"
         return Reduction(tensor.copy_(self.last.total), self.last.contributions)
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -141,7 +142,7 @@ class PartialAllreduce(Communicator):
     def _arrive(self, contribution: torch.Tensor | None, kind: str) -> Round:
         """Arrive at the next round with a contribution (or none) and return the round once it fired."""
         if self.thread is None:
-            assert kind == "sync"
+            assert kind == "sync" and contribution is not None
             self._start(contribution)
         number = self.next_round
         with self.cond:
