@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import h5py
 import torch
 
 from benchmarks import harness, learners
+from crossbow_mpi.train import EXIT_PREEMPTED
 from tests.conftest import mpirun_command
 
 THROUGHPUT = {
@@ -54,6 +58,12 @@ NCCL_LINK_RUN = (2, NCCL_LINK_TEST, False)
 """The NCCL stage link's test: two ranks, a GPU each; run only where two GPUs are visible."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
+CLI_DEVICE = "cuda"
+CLI_RUN = ("--dataset", "synthetic-mnist", "--model", "mlp", "--target-accuracy", "0", "--learners", "2")
+CLI_RUN += ("--eval-every", str(harness.NEVER))
+RESUME_RUN = ("--epochs", "0.3", "--checkpoint-every", "10")
+"""About 560 steps: the stop signal comes right after the first checkpoint, at step 10, far from the end."""
+AUTO_PIPELINE_NOTE = "crossbow_mpi: note: --comm auto: using MPI for the stages' activations, since NCCL cannot"
 
 
 def pytest_counts(output: str) -> dict[str, int]:
@@ -71,7 +81,8 @@ def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
     reasons for any test that did not pass."""
     if importlib.util.find_spec("pytest_mpi") is None:
         raise RuntimeError("pytest-mpi is not installed, so the MPI-marked GPU tests would not run")
-    command = mpirun_command(ranks) + [
+    command = [
+        *mpirun_command(ranks),
         sys.executable,
         "tests/mpi_pytest.py",
         "-q",
@@ -112,9 +123,9 @@ def sync_cost() -> list[dict]:
         tensor = torch.ones(mib * 2**18, device=device)
         target = torch.empty_like(tensor)
         calls = {
-            "nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
-            "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
-            "device copy us": lambda: target.copy_(tensor),
+            "nccl allreduce us": lambda tensor=tensor: nccl.allreduce_sum_(tensor),
+            "mpi host staging us": lambda tensor=tensor: tensor.copy_(tensor.to("cpu")),
+            "device copy us": lambda tensor=tensor, target=target: target.copy_(tensor),
         }
         row = {"MiB": mib}
         for name, call in calls.items():
@@ -146,6 +157,136 @@ def throughput() -> list[dict]:
     return rows
 
 
+def start_training(ranks: int, run_dir: Path, *args: str, first_gpu: bool = False) -> subprocess.Popen:
+    """Start `python -m crossbow_mpi.train` with CLI_RUN and `args` on `ranks` ranks (all on the first GPU when
+    `first_gpu`), with cuBLAS's workspace fixed so that runs on streams repeat their bits."""
+    env = {**os.environ, **harness.MPI_ENV, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    if first_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    command = [*mpirun_command(ranks), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir)]
+    return subprocess.Popen(
+        [*command, *CLI_RUN, *args],
+        cwd=harness.REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(job: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
+    """Wait for `job` until `deadline` (time.monotonic), else stop it (mpirun passes SIGTERM on to its ranks);
+    return its exit code (None when it ran past the deadline) and its stderr."""
+    try:
+        _, err = job.communicate(timeout=max(deadline - time.monotonic(), 1))
+        return job.returncode, err
+    except subprocess.TimeoutExpired:
+        job.terminate()
+        try:
+            _, err = job.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            _, err = job.communicate()
+        return None, err
+
+
+def last_words(stderr: str) -> str:
+    """The last line of a run's stderr that crossbow_mpi wrote, else its last line."""
+    ours = [line for line in stderr.splitlines() if line.startswith("crossbow_mpi:")] or stderr.strip().splitlines()
+    return (ours or [""])[-1]
+
+
+def final_z(run_dir: Path) -> tuple[str, int]:
+    """Return the sha256 of z in the run's newest checkpoint, and its iteration."""
+    with h5py.File(sorted(run_dir.glob("checkpoint-*.h5"))[-1]) as f:
+        z, state = f["central/z"][...], json.loads(f["train"].attrs["state"])
+    return hashlib.sha256(z.tobytes()).hexdigest(), state["iteration"]
+
+
+def preempt_and_resume(root: Path, deadline: float) -> tuple[bool, str]:
+    """SIGUSR1 after the first checkpoint: exit 75 with a checkpoint; `--resume` then ends with the bits of z of an
+    uninterrupted run (one rank on the GPU, NCCL and streams as `auto` picks them)."""
+    whole, stopped = root / "whole", root / "stopped"
+    code, err = finish(start_training(1, whole, "--device", CLI_DEVICE, *RESUME_RUN), deadline)
+    if code != 0:
+        return False, f"the uninterrupted run exited {code}: {last_words(err)}"
+    job = start_training(1, stopped, "--device", CLI_DEVICE, *RESUME_RUN)
+    while not (stopped / "checkpoint-000000010.h5").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    code, err = finish(job, deadline)
+    if code != EXIT_PREEMPTED or not list(stopped.glob("checkpoint-*.h5")):
+        return (
+            False,
+            f"SIGUSR1 after the first checkpoint: exit {code}, not {EXIT_PREEMPTED} and a checkpoint: "
+            + last_words(err),
+        )
+    stopped_at = final_z(stopped)[1]
+    code, err = finish(start_training(1, stopped, "--device", CLI_DEVICE, "--resume", *RESUME_RUN), deadline)
+    if code != 0:
+        return False, f"the --resume exited {code}: {last_words(err)}"
+    (z, iterations), (z_whole, whole_iterations) = final_z(stopped), final_z(whole)
+    same = (z, iterations) == (z_whole, whole_iterations)
+    return same, (
+        f"stopped at iteration {stopped_at}; resumed to {iterations} with z sha256 {z[:16]}, "
+        f"{'equal to' if same else 'not'} the uninterrupted run's {whole_iterations} with {z_whole[:16]}"
+    )
+
+
+def mixed_devices(root: Path, deadline: float) -> tuple[bool, str]:
+    """`--device mixed` on 2 ranks and one GPU: rank 0 on the GPU, rank 1 on the CPU, to the end of the run."""
+    code, err = finish(start_training(2, root, "--device", "mixed", "--epochs", "0.05", first_gpu=True), deadline)
+    device = json.loads((root / "metrics.jsonl").read_text().splitlines()[-1])["device"] if code == 0 else None
+    passed = code == 0 and device.startswith("cuda")
+    return passed, f"exit {code}, rank 0 on {device}" + ("" if passed else f": {last_words(err)}")
+
+
+def pipeline_shares_the_gpu(root: Path, deadline: float) -> tuple[bool, str]:
+    """2 ranks on one GPU with `--pipeline-stages 2 --comm auto`: NCCL cannot link them, so MPI does, with a note."""
+    job = start_training(
+        2, root, "--device", CLI_DEVICE, "--pipeline-stages", "2", "--comm", "auto", "--epochs", "0.05", first_gpu=True
+    )
+    code, err = finish(job, deadline)
+    noted = any(line.startswith(AUTO_PIPELINE_NOTE) for line in err.splitlines())
+    return code == 0 and noted, f"exit {code}, {'with' if noted else 'without'} the note: {last_words(err)}"
+
+
+CLI_CHECKS = {
+    "preempt_and_resume": (preempt_and_resume, 90),
+    "mixed_devices": (mixed_devices, 60),
+    "pipeline_shares_the_gpu": (pipeline_shares_the_gpu, 60),
+}
+"""Each command-line check, and its budget in seconds: its runs are stopped when it is spent."""
+
+
+def command_line() -> list[dict]:
+    """Run each of CLI_CHECKS: the command line as a user runs it, on this GPU."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (check, seconds) in CLI_CHECKS.items():
+            started = time.monotonic()
+            (Path(tmp) / name).mkdir()
+            passed, detail = check(Path(tmp) / name, started + seconds)
+            rows.append({"check": name, "passed": passed, "seconds": time.monotonic() - started, "detail": detail})
+    return rows
+
+
+def versions() -> dict:
+    """CuPy's and torch's NCCL versions, and the NVRTC CuPy compiles with: its version and the library loaded."""
+    import cupy
+    from cupy.cuda import nccl, nvrtc
+
+    nvrtc_version = nvrtc.getVersion()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {
+        "cupy": cupy.__version__,
+        "cupy_nccl": nccl.get_version(),
+        "torch_nccl": torch.cuda.nccl.version(),
+        "nvrtc": nvrtc_version,
+        "nvrtc_library": sorted({line.split()[-1] for line in maps if "nvrtc" in line}),
+    }
+
+
 def mnist_to_99() -> dict:
     """Train LeNet on MNIST with the default SMA settings on this GPU until 99 % test accuracy."""
     from crossbow_mpi import Config, Trainer
@@ -168,6 +309,8 @@ PARTS = {
     "tests": lambda: [
         run_tests(*run) for run in TEST_RUNS + ((NCCL_LINK_RUN,) if torch.cuda.device_count() >= 2 else ())
     ],
+    "command_line": command_line,
+    "versions": versions,
     "sync_cost": sync_cost,
     "throughput": throughput,
     "mnist_to_99": mnist_to_99,
@@ -192,13 +335,20 @@ def verdict(results: dict) -> tuple[bool, str]:
             return False, f"{where}: {counts} (a skip on a GPU is a failure){first}"
         if run["exit_code"] != 0 or run["passed"] == 0:
             return False, f"{where}: exit code {run['exit_code']} with {run['passed']} passed"
+    failed = [check for check in results["command_line"] if not check["passed"]]
+    if failed:
+        return False, f"command line: {failed[0]['check']}: {failed[0]['detail']}"
     mnist = results["mnist_to_99"]
     if not mnist["reached"]:
         return False, (
             f"LeNet/MNIST did not reach 99 % in {mnist['epochs']:g} epochs (best {mnist['test_accuracy']:.4f})"
         )
     passed = " and ".join(f"{run['passed']} on {run['ranks']} rank(s)" for run in results["tests"])
-    return True, f"tests passed ({passed}); LeNet/MNIST reached 99 % in {mnist['time_to_accuracy_s']:.1f} s"
+    checks, seconds = len(results["command_line"]), mnist["time_to_accuracy_s"]
+    return (
+        True,
+        f"tests passed ({passed}); {checks} command-line checks passed; LeNet/MNIST reached 99 % in {seconds:.1f} s",
+    )
 
 
 def main() -> int:
@@ -210,7 +360,7 @@ def main() -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     results = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
     }
@@ -234,7 +384,8 @@ def main() -> int:
         ]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         print(f"\n{name}\n" + harness.Report(name, columns, rows, [], {}).table())
-    print(f"\nmnist_to_99: {json.dumps(results['mnist_to_99'])}")
+    for name in ("command_line", "versions", "mnist_to_99"):
+        print(f"\n{name}: {json.dumps(results[name], indent=1 if name == 'command_line' else None)}")
     print(f"gpu_selftest: {'PASS' if passed else 'FAIL'}: {reason}")
     return 0 if passed else 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -31,6 +32,8 @@ def pytest_run(ranks=1, select="not two_ranks", **changes) -> dict:
 def passing_results() -> dict:
     return {
         "tests": [pytest_run(), pytest_run(2, "two_ranks", passed=1, deselected=13)],
+        "command_line": [{"check": "mixed_devices", "passed": True, "seconds": 9.0, "detail": "exit 0"}] * 3,
+        "versions": {"cupy": "13.6.0", "cupy_nccl": 22804, "torch_nccl": [2, 27, 5], "nvrtc": [12, 8]},
         "sync_cost": [{"MiB": 1}],
         "throughput": [{"b": 16}],
         "mnist_to_99": {"reached": True, "time_to_accuracy_s": 41.5, "epochs": 3.0, "test_accuracy": 0.9912},
@@ -40,7 +43,8 @@ def passing_results() -> dict:
 def test_everything_passing_is_a_pass_naming_the_counts_and_the_time():
     assert verdict(passing_results()) == (
         True,
-        "tests passed (12 on 1 rank(s) and 1 on 2 rank(s)); LeNet/MNIST reached 99 % in 41.5 s",
+        "tests passed (12 on 1 rank(s) and 1 on 2 rank(s)); 3 command-line checks passed; "
+        "LeNet/MNIST reached 99 % in 41.5 s",
     )
 
 
@@ -61,6 +65,11 @@ def test_everything_passing_is_a_pass_naming_the_counts_and_the_time():
             "tests/gpu on 1 rank(s) (-k 'not two_ranks'): 13 skipped (a skip on a GPU is a failure); SKIPPED [13]",
         ),
         ({"tests": [pytest_run(failed=1, passed=11)]}, "1 failed"),
+        ({"versions": {"error": "ModuleNotFoundError: No module named 'cupy'"}}, "first versions: ModuleNotFoundError"),
+        (
+            {"command_line": [{"check": "mixed_devices", "passed": False, "seconds": 60.1, "detail": "exit None"}]},
+            "command line: mixed_devices: exit None",
+        ),
         ({"tests": [pytest_run(errors=2)]}, "2 errors"),
         (
             {"tests": [pytest_run(2, "two_ranks", exit_code=134, passed=0)]},
@@ -97,3 +106,14 @@ def test_without_a_gpu_the_self_test_exits_non_zero_and_its_last_line_says_fail(
         timeout=120,
     )
     assert done.returncode == 1 and done.stdout.splitlines()[-1] == "gpu_selftest: FAIL: torch sees no CUDA device"
+
+
+@pytest.mark.slow
+def test_the_preempt_and_resume_check_passes_on_a_cpu_rank(monkeypatch, tmp_path):
+    from benchmarks import gpu_selftest
+
+    monkeypatch.setattr(gpu_selftest, "CLI_DEVICE", "cpu")
+    monkeypatch.setattr(gpu_selftest, "CLI_RUN", (*gpu_selftest.CLI_RUN, "--threads", "1"))
+    passed, detail = gpu_selftest.preempt_and_resume(tmp_path, time.monotonic() + 150)
+    assert passed, detail
+    assert detail.startswith("stopped at iteration ") and "equal to the uninterrupted run's" in detail
