@@ -1,4 +1,4 @@
-"""GPU self-test on one GPU, in under 8 minutes: tests, sync cost, learner throughput, MNIST to 99 %.
+"""GPU self-test on one GPU, in under 8 minutes: tests, the command line, sync cost, throughput, MNIST to 99 %.
 
     python -m benchmarks.gpu_selftest [--out DIR]        (launch/gpu_selftest.sh runs it)
 
@@ -6,11 +6,11 @@ Needs torch, CuPy, mpi4py with an MPI library and its mpirun, h5py, numpy, pytes
 repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test and the NCCL stage link's)
 and `mpirun -n 2` with both ranks on the first GPU (the shared-GPU test; with `--device mixed`, one rank on the
 GPU and one on the CPU), and where two GPUs are visible the NCCL stage link's test under `mpirun -n 2` with a GPU
-per rank (NCCL cannot put two ranks on one GPU, so one GPU leaves it out); then measures in this process, a
-singleton MPI rank. Writes
-gpu_selftest.json, prints its tables, and last one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`;
-exits 0 only on PASS: every part ran, every test ran and passed (a skip on a GPU is a failure), and LeNet/MNIST
-reached 99 %.
+per rank (NCCL cannot put two ranks on one GPU, so one GPU leaves it out); then the command-line checks
+(CLI_CHECKS, each within its budget); then records CuPy's and torch's NCCL versions and CuPy's NVRTC, and measures
+in this process, a singleton MPI rank. Writes gpu_selftest.json, prints its tables, and last one line
+`gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`; exits 0 only on PASS: every part ran, every test ran and passed
+(a skip on a GPU is a failure), every command-line check passed, and LeNet/MNIST reached 99 %.
 """
 
 from __future__ import annotations
