@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -59,8 +61,19 @@ NCCL_LINK_RUN = (2, NCCL_LINK_TEST, False)
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
 CLI_DEVICE = "cuda"
-CLI_RUN = ("--dataset", "synthetic-mnist", "--model", "mlp", "--target-accuracy", "0", "--learners", "2")
-CLI_RUN += ("--eval-every", str(harness.NEVER))
+CLI_RUN = (
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--learners",
+    "2",
+    "--target-accuracy",
+    "0",
+    "--eval-every",
+    str(harness.NEVER),
+)
+"""Every command-line run's flags beside its own (it evaluates once, at its end)."""
 RESUME_RUN = ("--epochs", "0.3", "--checkpoint-every", "10")
 """About 560 steps: the stop signal comes right after the first checkpoint, at step 10, far from the end."""
 AUTO_PIPELINE_NOTE = "crossbow_mpi: note: --comm auto: using MPI for the stages' activations, since NCCL cannot"
@@ -109,6 +122,10 @@ def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
     }
 
 
+def host_round_trip(tensor: torch.Tensor) -> None:
+    tensor.copy_(tensor.to("cpu"))
+
+
 def sync_cost() -> list[dict]:
     """Microseconds per call on one rank: NCCL's allreduce (one rank moves no data, so this is the call's cost),
     the host staging that `--comm mpi` adds to every allreduce of a GPU buffer (to the host and back), and a
@@ -122,12 +139,12 @@ def sync_cost() -> list[dict]:
     for mib in (1, 16, 256):
         tensor = torch.ones(mib * 2**18, device=device)
         target = torch.empty_like(tensor)
-        calls = {
-            "nccl allreduce us": lambda tensor=tensor: nccl.allreduce_sum_(tensor),
-            "mpi host staging us": lambda tensor=tensor: tensor.copy_(tensor.to("cpu")),
-            "device copy us": lambda tensor=tensor, target=target: target.copy_(tensor),
+        calls: dict[str, Callable[[], object]] = {
+            "nccl allreduce us": functools.partial(nccl.allreduce_sum_, tensor),
+            "mpi host staging us": functools.partial(host_round_trip, tensor),
+            "device copy us": functools.partial(target.copy_, tensor),
         }
-        row = {"MiB": mib}
+        row: dict[str, float] = {"MiB": mib}
         for name, call in calls.items():
             call()
             torch.cuda.synchronize()
@@ -237,7 +254,7 @@ def mixed_devices(root: Path, deadline: float) -> tuple[bool, str]:
     """`--device mixed` on 2 ranks and one GPU: rank 0 on the GPU, rank 1 on the CPU, to the end of the run."""
     code, err = finish(start_training(2, root, "--device", "mixed", "--epochs", "0.05", first_gpu=True), deadline)
     device = json.loads((root / "metrics.jsonl").read_text().splitlines()[-1])["device"] if code == 0 else None
-    passed = code == 0 and device.startswith("cuda")
+    passed = code == 0 and str(device).startswith("cuda")
     return passed, f"exit {code}, rank 0 on {device}" + ("" if passed else f": {last_words(err)}")
 
 
@@ -359,7 +376,7 @@ def main() -> int:
         print("gpu_selftest: FAIL: torch sees no CUDA device")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {
+    results: dict = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
