@@ -394,15 +394,15 @@ def main() -> int:
     results["verdict"] = {"passed": passed, "reason": reason}
     (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
-    for name in ("tests", "sync_cost", "throughput"):
+    for name in ("tests", "command_line", "sync_cost", "throughput"):
         rows = [
             {k: v for k, v in row.items() if k != "problems"}
             for row in (results[name] if isinstance(results[name], list) else [results[name]])
         ]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         print(f"\n{name}\n" + harness.Report(name, columns, rows, [], {}).table())
-    for name in ("command_line", "versions", "mnist_to_99"):
-        print(f"\n{name}: {json.dumps(results[name], indent=1 if name == 'command_line' else None)}")
+    for name in ("versions", "mnist_to_99"):
+        print(f"\n{name}: {json.dumps(results[name])}")
     print(f"gpu_selftest: {'PASS' if passed else 'FAIL'}: {reason}")
     return 0 if passed else 1
 
