@@ -1,4 +1,5 @@
-"""GPU path: NCCL through CuPy, the CUDA-stream engine, bf16, the tuner's GPU memory cap, the pipeline's NCCL link.
+"""GPU path: NCCL through CuPy (and as each algorithm's transport), the CUDA-stream engine (--fused-step's bits, no
+host wait in a warm step), bf16, the tuner's GPU memory cap, the pipeline's NCCL link.
 
 Skipped without a CUDA device (and, for NCCL, without CuPy). Run under mpirun like the other MPI tests;
 launch/gpu_selftest.sh runs them on one GPU, and the NCCL link's test where it sees a GPU per rank (NCCL cannot
