@@ -1,4 +1,4 @@
-"""GPU self-test on one GPU, in under 8 minutes: tests, sync cost, learner throughput, MNIST to 99 %.
+"""GPU self-test on one GPU, in under 8 minutes: tests, the command line, sync cost, throughput, MNIST to 99 %.
 
     python -m benchmarks.gpu_selftest [--out DIR]        (launch/gpu_selftest.sh runs it)
 
@@ -6,30 +6,36 @@ Needs torch, CuPy, mpi4py with an MPI library and its mpirun, h5py, numpy, pytes
 repository carries. Runs tests/gpu under `mpirun -n 1` (all but the shared-GPU test and the NCCL stage link's)
 and `mpirun -n 2` with both ranks on the first GPU (the shared-GPU test; with `--device mixed`, one rank on the
 GPU and one on the CPU), and where two GPUs are visible the NCCL stage link's test under `mpirun -n 2` with a GPU
-per rank (NCCL cannot put two ranks on one GPU, so one GPU leaves it out); then measures in this process, a
-singleton MPI rank. Writes
-gpu_selftest.json, prints its tables, and last one line `gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`;
-exits 0 only on PASS: every part ran, every test ran and passed (a skip on a GPU is a failure), and LeNet/MNIST
-reached 99 %.
+per rank (NCCL cannot put two ranks on one GPU, so one GPU leaves it out); then the command-line checks
+(CLI_CHECKS, each within its budget); then records CuPy's and torch's NCCL versions and CuPy's NVRTC, and measures
+in this process, a singleton MPI rank. Writes gpu_selftest.json, prints its tables, and last one line
+`gpu_selftest: PASS: …` or `gpu_selftest: FAIL: …`; exits 0 only on PASS: every part ran, every test ran and passed
+(a skip on a GPU is a failure), every command-line check passed, and LeNet/MNIST reached 99 %.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import h5py
 import torch
 
 from benchmarks import harness, learners
+from crossbow_mpi.train import EXIT_PREEMPTED
 from tests.conftest import mpirun_command
 
 THROUGHPUT = {
@@ -54,6 +60,23 @@ NCCL_LINK_RUN = (2, NCCL_LINK_TEST, False)
 """The NCCL stage link's test: two ranks, a GPU each; run only where two GPUs are visible."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
+CLI_DEVICE = "cuda"
+CLI_RUN = (
+    "--dataset",
+    "synthetic-mnist",
+    "--model",
+    "mlp",
+    "--learners",
+    "2",
+    "--target-accuracy",
+    "0",
+    "--eval-every",
+    str(harness.NEVER),
+)
+"""Every command-line run's flags beside its own (it evaluates once, at its end)."""
+RESUME_RUN = ("--epochs", "0.3", "--checkpoint-every", "10")
+"""About 560 steps: the stop signal comes right after the first checkpoint, at step 10, far from the end."""
+AUTO_PIPELINE_NOTE = "crossbow_mpi: note: --comm auto: using MPI for the stages' activations, since NCCL cannot"
 
 
 def pytest_counts(output: str) -> dict[str, int]:
@@ -99,6 +122,10 @@ def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
     }
 
 
+def host_round_trip(tensor: torch.Tensor) -> None:
+    tensor.copy_(tensor.to("cpu"))
+
+
 def sync_cost() -> list[dict]:
     """Microseconds per call on one rank: NCCL's allreduce (one rank moves no data, so this is the call's cost),
     the host staging that `--comm mpi` adds to every allreduce of a GPU buffer (to the host and back), and a
@@ -115,12 +142,12 @@ def _sync_cost_row(nccl, mib: int, device: torch.device) -> dict:
     """sync_cost's microseconds per call of each of its calls on `mib` MiB."""
     tensor = torch.ones(mib * 2**18, device=device)
     target = torch.empty_like(tensor)
-    calls = {
-        "nccl allreduce us": lambda: nccl.allreduce_sum_(tensor),
-        "mpi host staging us": lambda: tensor.copy_(tensor.to("cpu")),
-        "device copy us": lambda: target.copy_(tensor),
+    calls: dict[str, Callable[[], object]] = {
+        "nccl allreduce us": functools.partial(nccl.allreduce_sum_, tensor),
+        "mpi host staging us": functools.partial(host_round_trip, tensor),
+        "device copy us": functools.partial(target.copy_, tensor),
     }
-    row = {"MiB": mib}
+    row: dict[str, float] = {"MiB": mib}
     for name, call in calls.items():
         call()
         torch.cuda.synchronize()
@@ -149,6 +176,136 @@ def throughput() -> list[dict]:
     return rows
 
 
+def start_training(ranks: int, run_dir: Path, *args: str, first_gpu: bool = False) -> subprocess.Popen:
+    """Start `python -m crossbow_mpi.train` with CLI_RUN and `args` on `ranks` ranks (all on the first GPU when
+    `first_gpu`), with cuBLAS's workspace fixed so that runs on streams repeat their bits."""
+    env = {**os.environ, **harness.MPI_ENV, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    if first_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    command = [*mpirun_command(ranks), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir)]
+    return subprocess.Popen(
+        [*command, *CLI_RUN, *args],
+        cwd=harness.REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(job: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
+    """Wait for `job` until `deadline` (time.monotonic), else stop it (mpirun passes SIGTERM on to its ranks);
+    return its exit code (None when it ran past the deadline) and its stderr."""
+    try:
+        _, err = job.communicate(timeout=max(deadline - time.monotonic(), 1))
+        return job.returncode, err
+    except subprocess.TimeoutExpired:
+        job.terminate()
+        try:
+            _, err = job.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            _, err = job.communicate()
+        return None, err
+
+
+def last_words(stderr: str) -> str:
+    """The last line of a run's stderr that crossbow_mpi wrote, else its last line."""
+    ours = [line for line in stderr.splitlines() if line.startswith("crossbow_mpi:")] or stderr.strip().splitlines()
+    return (ours or [""])[-1]
+
+
+def final_z(run_dir: Path) -> tuple[str, int]:
+    """Return the sha256 of z in the run's newest checkpoint, and its iteration."""
+    with h5py.File(sorted(run_dir.glob("checkpoint-*.h5"))[-1]) as f:
+        z, state = f["central/z"][...], json.loads(f["train"].attrs["state"])
+    return hashlib.sha256(z.tobytes()).hexdigest(), state["iteration"]
+
+
+def preempt_and_resume(root: Path, deadline: float) -> tuple[bool, str]:
+    """SIGUSR1 after the first checkpoint: exit 75 with a checkpoint; `--resume` then ends with the bits of z of an
+    uninterrupted run (one rank on the GPU, NCCL and streams as `auto` picks them)."""
+    whole, stopped = root / "whole", root / "stopped"
+    code, err = finish(start_training(1, whole, "--device", CLI_DEVICE, *RESUME_RUN), deadline)
+    if code != 0:
+        return False, f"the uninterrupted run exited {code}: {last_words(err)}"
+    job = start_training(1, stopped, "--device", CLI_DEVICE, *RESUME_RUN)
+    while not (stopped / "checkpoint-000000010.h5").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    code, err = finish(job, deadline)
+    if code != EXIT_PREEMPTED or not list(stopped.glob("checkpoint-*.h5")):
+        return (
+            False,
+            f"SIGUSR1 after the first checkpoint: exit {code}, not {EXIT_PREEMPTED} and a checkpoint: "
+            + last_words(err),
+        )
+    stopped_at = final_z(stopped)[1]
+    code, err = finish(start_training(1, stopped, "--device", CLI_DEVICE, "--resume", *RESUME_RUN), deadline)
+    if code != 0:
+        return False, f"the --resume exited {code}: {last_words(err)}"
+    (z, iterations), (z_whole, whole_iterations) = final_z(stopped), final_z(whole)
+    same = (z, iterations) == (z_whole, whole_iterations)
+    return same, (
+        f"stopped at iteration {stopped_at}; resumed to {iterations} with z sha256 {z[:16]}, "
+        f"{'equal to' if same else 'not'} the uninterrupted run's {whole_iterations} with {z_whole[:16]}"
+    )
+
+
+def mixed_devices(root: Path, deadline: float) -> tuple[bool, str]:
+    """`--device mixed` on 2 ranks and one GPU: rank 0 on the GPU, rank 1 on the CPU, to the end of the run."""
+    code, err = finish(start_training(2, root, "--device", "mixed", "--epochs", "0.05", first_gpu=True), deadline)
+    device = json.loads((root / "metrics.jsonl").read_text().splitlines()[-1])["device"] if code == 0 else None
+    passed = code == 0 and str(device).startswith("cuda")
+    return passed, f"exit {code}, rank 0 on {device}" + ("" if passed else f": {last_words(err)}")
+
+
+def pipeline_shares_the_gpu(root: Path, deadline: float) -> tuple[bool, str]:
+    """2 ranks on one GPU with `--pipeline-stages 2 --comm auto`: NCCL cannot link them, so MPI does, with a note."""
+    job = start_training(
+        2, root, "--device", CLI_DEVICE, "--pipeline-stages", "2", "--comm", "auto", "--epochs", "0.05", first_gpu=True
+    )
+    code, err = finish(job, deadline)
+    noted = any(line.startswith(AUTO_PIPELINE_NOTE) for line in err.splitlines())
+    return code == 0 and noted, f"exit {code}, {'with' if noted else 'without'} the note: {last_words(err)}"
+
+
+CLI_CHECKS = {
+    "preempt_and_resume": (preempt_and_resume, 90),
+    "mixed_devices": (mixed_devices, 60),
+    "pipeline_shares_the_gpu": (pipeline_shares_the_gpu, 60),
+}
+"""Each command-line check, and its budget in seconds: its runs are stopped when it is spent."""
+
+
+def command_line() -> list[dict]:
+    """Run each of CLI_CHECKS: the command line as a user runs it, on this GPU."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (check, seconds) in CLI_CHECKS.items():
+            started = time.monotonic()
+            (Path(tmp) / name).mkdir()
+            passed, detail = check(Path(tmp) / name, started + seconds)
+            rows.append({"check": name, "passed": passed, "seconds": time.monotonic() - started, "detail": detail})
+    return rows
+
+
+def versions() -> dict:
+    """CuPy's and torch's NCCL versions, and the NVRTC CuPy compiles with: its version and the library loaded."""
+    import cupy
+    from cupy.cuda import nccl, nvrtc
+
+    nvrtc_version = nvrtc.getVersion()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {
+        "cupy": cupy.__version__,
+        "cupy_nccl": nccl.get_version(),
+        "torch_nccl": torch.cuda.nccl.version(),
+        "nvrtc": nvrtc_version,
+        "nvrtc_library": sorted({line.split()[-1] for line in maps if "nvrtc" in line}),
+    }
+
+
 def mnist_to_99() -> dict:
     """Train LeNet on MNIST with the default SMA settings on this GPU until 99 % test accuracy."""
     from crossbow_mpi import Config, Trainer
@@ -171,6 +328,8 @@ PARTS = {
     "tests": lambda: [
         run_tests(*run) for run in TEST_RUNS + ((NCCL_LINK_RUN,) if torch.cuda.device_count() >= 2 else ())
     ],
+    "command_line": command_line,
+    "versions": versions,
     "sync_cost": sync_cost,
     "throughput": throughput,
     "mnist_to_99": mnist_to_99,
@@ -195,13 +354,20 @@ def verdict(results: dict) -> tuple[bool, str]:
             return False, f"{where}: {counts} (a skip on a GPU is a failure){first}"
         if run["exit_code"] != 0 or run["passed"] == 0:
             return False, f"{where}: exit code {run['exit_code']} with {run['passed']} passed"
+    failed = [check for check in results["command_line"] if not check["passed"]]
+    if failed:
+        return False, f"command line: {failed[0]['check']}: {failed[0]['detail']}"
     mnist = results["mnist_to_99"]
     if not mnist["reached"]:
         return False, (
             f"LeNet/MNIST did not reach 99 % in {mnist['epochs']:g} epochs (best {mnist['test_accuracy']:.4f})"
         )
     passed = " and ".join(f"{run['passed']} on {run['ranks']} rank(s)" for run in results["tests"])
-    return True, f"tests passed ({passed}); LeNet/MNIST reached 99 % in {mnist['time_to_accuracy_s']:.1f} s"
+    checks, seconds = len(results["command_line"]), mnist["time_to_accuracy_s"]
+    return (
+        True,
+        f"tests passed ({passed}); {checks} command-line checks passed; LeNet/MNIST reached 99 % in {seconds:.1f} s",
+    )
 
 
 def main() -> int:
@@ -212,7 +378,7 @@ def main() -> int:
         print("gpu_selftest: FAIL: torch sees no CUDA device")
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {
+    results: dict = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -230,14 +396,15 @@ def main() -> int:
     results["verdict"] = {"passed": passed, "reason": reason}
     (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
-    for name in ("tests", "sync_cost", "throughput"):
+    for name in ("tests", "command_line", "sync_cost", "throughput"):
         rows = [
             {k: v for k, v in row.items() if k != "problems"}
             for row in (results[name] if isinstance(results[name], list) else [results[name]])
         ]
         columns = list(dict.fromkeys(key for row in rows for key in row))
         print(f"\n{name}\n" + harness.Report(name, columns, rows, [], {}).table())
-    print(f"\nmnist_to_99: {json.dumps(results['mnist_to_99'])}")
+    for name in ("versions", "mnist_to_99"):
+        print(f"\n{name}: {json.dumps(results[name])}")
     print(f"gpu_selftest: {'PASS' if passed else 'FAIL'}: {reason}")
     return 0 if passed else 1
 

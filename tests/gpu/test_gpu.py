@@ -1,4 +1,5 @@
-"""GPU path: NCCL through CuPy, the CUDA-stream engine, bf16, the tuner's GPU memory cap, the pipeline's NCCL link.
+"""GPU path: NCCL through CuPy (and as each algorithm's transport), the CUDA-stream engine (--fused-step's bits, no
+host wait in a warm step), bf16, the tuner's GPU memory cap, the pipeline's NCCL link.
 
 Skipped without a CUDA device (and, for NCCL, without CuPy). Run under mpirun like the other MPI tests;
 launch/gpu_selftest.sh runs them on one GPU, and the NCCL link's test where it sees a GPU per rank (NCCL cannot
@@ -6,6 +7,9 @@ put two ranks on one GPU).
 """
 
 from __future__ import annotations
+
+import hashlib
+import warnings
 
 import pytest
 import torch
@@ -30,6 +34,10 @@ STEPS, BATCH = 20, 4
 
 def mlp_bn_float64() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10)).double()
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.Tanh(), nn.Linear(16, 10))
 
 
 def convnet() -> nn.Module:
@@ -70,7 +78,7 @@ def test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error(comm):
     if one_gpu_per_rank(comm) or nccl_module() is None:
         pytest.skip("needs more ranks than GPUs, and CuPy")
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
-    with pytest.raises(ConfigError, match="^--comm nccl: ranks .* share GPUs"):
+    with pytest.raises(ConfigError, match=r"^--comm nccl: ranks .* share GPUs"):
         build_communicator(comm.mpi_comm, "nccl", device)
 
 
@@ -182,7 +190,7 @@ def test_prefetched_batches_equal_fetched_ones_and_a_stale_prefetch_is_fetched_a
         batches = prefetcher.batches(*wanted)
         for batch, row in zip(batches, sampler.indices(*wanted), strict=True):
             expected = to_device(fetch_batch(data, row), device, torch.float32)
-            assert all(torch.equal(a, b) for a, b in zip(batch, expected))
+            assert all(torch.equal(a, b) for a, b in zip(batch, expected, strict=True))
 
 
 @pytest.mark.mpi(min_size=1)
@@ -332,3 +340,72 @@ def test_nccl_stage_link_trains_a_pipeline_as_the_mpi_link_does(comm, shared_tmp
         )
         results[transport] = Trainer(cfg, comm).fit(convnet, train, train)
     assert relative_error(results["nccl"].central, results["mpi"].central) < 1e-6
+
+
+@needs_nccl
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["ssgd", "eager", "hogbatch"])
+def test_nccl_as_the_trainers_data_transport_matches_mpi(comm, shared_tmp, algorithm):
+    """`comm="nccl"` puts NCCL under each algorithm's transport (the allreduce, eager-SGD's broadcast, Hogbatch's
+    model server's broadcast); Hogbatch is compared on one rank only (asynchronous on more)."""
+    if not one_gpu_per_rank(comm) or (algorithm == "hogbatch" and comm.size > 1):
+        pytest.skip("fewer GPUs than ranks, or Hogbatch on more than one rank")
+    train = synthetic_dataset((1, 6, 6), 10, 128 * comm.size, seed=0)
+    results = {}
+    for transport in ("nccl", "mpi"):
+        cfg = one_epoch(shared_tmp / transport, comm=transport, algorithm=algorithm, eager_sync_every=1)
+        trainer = Trainer(cfg)
+        assert isinstance(trainer.topology.data, NcclCommunicator) == (transport == "nccl")
+        results[transport] = trainer.fit(mlp, train, train)
+    assert relative_error(results["nccl"].central, results["mpi"].central) < 1e-5
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
+def test_fused_step_on_streams_ends_with_the_bits_of_the_unfused_run(comm, shared_tmp, algorithm):
+    pytest.importorskip("cupy")
+    train = synthetic_dataset((1, 6, 6), 10, 256 * comm.size, seed=0)
+    digests = {}
+    for fused in (False, True):
+        cfg = one_epoch(shared_tmp / str(fused), engine="streams", algorithm=algorithm, fused_step=fused)
+        digests[fused] = sha256(Trainer(cfg, comm).fit(mlp, train, train).central)
+    assert digests[True] == digests[False]
+
+
+class SyncDebugWindow:
+    """A controller that turns torch's sync debug mode on after warm-up step `start` and off after step `end`,
+    and keeps the warnings `caught` in between (any of them: a sync is reported as a warning)."""
+
+    def __init__(self, caught: list, start: int, end: int):
+        self.caught, self.start, self.end, self.first, self.seen = caught, start, end, 0, None
+
+    def __call__(self, run, step) -> None:
+        if run.state.iteration == self.start:
+            self.first = len(self.caught)
+            torch.cuda.set_sync_debug_mode("warn")
+        elif run.state.iteration == self.end:
+            torch.cuda.set_sync_debug_mode(0)
+            self.seen = [str(w.message).splitlines()[0] for w in self.caught[self.first :]]
+
+
+@needs_nccl
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
+def test_a_warm_step_with_nccl_on_streams_never_makes_the_host_wait(comm, shared_tmp, algorithm):
+    """20 warm steps of the training loop (after 5) under `torch.cuda.set_sync_debug_mode("warn")`: no warning."""
+    if not one_gpu_per_rank(comm):
+        pytest.skip("fewer GPUs than ranks")
+    train = synthetic_dataset((1, 6, 6), 10, 512 * comm.size, seed=0)
+    cfg = one_epoch(shared_tmp / algorithm, comm="nccl", engine="streams", algorithm=algorithm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        window = SyncDebugWindow(caught, start=5, end=25)
+        try:
+            Trainer(cfg).fit(mlp, train, train, controllers=[window])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert window.seen == []
