@@ -21,6 +21,8 @@ CUTS = ("params", "time")
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
+FLOAT32_MAX = 3.4028234663852886e38
+"""The hyper-parameters compute in float32: a larger value overflows to infinity at the first step."""
 POSITIVE = (
     "batch_size",
     "epochs",
@@ -231,6 +233,10 @@ class Config:
                 raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {f.type})")
             if f.type == "float" and not math.isfinite(value):
                 raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
+            if f.type == "float" and abs(value) > FLOAT32_MAX:
+                raise ConfigError(
+                    f"--{_flag(f.name)} must be at most {FLOAT32_MAX:.4g} (float32's largest), got {value}"
+                )
 
     def _validate_choices(self, algorithms) -> None:
         from crossbow_mpi.data import dataset_names
@@ -262,11 +268,16 @@ class Config:
 
     def _validate_learners(self) -> None:
         if self.learners != "auto" and not (isinstance(self.learners, int) and self.learners > 0):
-            raise ConfigError(f"--learners must be a positive number or auto, got {self.learners}")
+            raise ConfigError(f"--learners must be a positive number or auto, got {self.learners!r}")
         if self.algorithm in ("eager", "auto") and self.learners == "auto":
             raise ConfigError(f"--algorithm {self.algorithm} needs a fixed number of --learners, not auto")
         if self.algorithm == "auto" and self.pipeline_stages > 1:
             raise ConfigError("--algorithm auto and --pipeline-stages cannot be combined: choose an algorithm")
+        if self.algorithm in ("omnivore", "hogbatch", "elastic") and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"--pipeline-stages applies to --algorithm sma, ssgd and eager, not {self.algorithm}: its ranks step "
+                "at their own pace, and a pipeline's stages must step together"
+            )
 
     def _validate_signs(self) -> None:
         for name in POSITIVE:
@@ -297,6 +308,10 @@ class Config:
             raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
         if self.compile and self.pipeline_stages > 1:
             raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ConfigError(
+                f"--target-accuracy must be a fraction in [0, 1] (0.99 for 99 %), got {self.target_accuracy}"
+            )
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:
@@ -391,7 +406,7 @@ def coerce(f: dataclasses.Field, value):
                 raise ValueError(value)
             return value.lower() in ("true", "1", "yes")
         if kind == "int | tuple[int, ...]":
-            items = value.split(",") if isinstance(value, str) else list(values(value))
+            items = value.split(",") if isinstance(value, str) else list(values(_tuple(value)))
             listed = tuple(coerce_int(v) for v in items)
             return listed[0] if len(listed) == 1 else listed
         if kind == "int | str" and value == "auto":
@@ -403,6 +418,8 @@ def coerce(f: dataclasses.Field, value):
                 raise ValueError(value)
             return float(value)
         if kind == "str":
+            if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                return ",".join(value)  # a TOML array of per-rank values, as the flag's comma list
             if not isinstance(value, str):
                 raise ValueError(value)
             return value
@@ -414,6 +431,11 @@ def coerce(f: dataclasses.Field, value):
     except (TypeError, ValueError):
         raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {kind})") from None
     raise AssertionError(f"unhandled field type {kind}")
+
+
+def _tuple(value):
+    """A TOML array as a tuple (per-rank values); any other value as it is."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def coerce_int(value) -> int:

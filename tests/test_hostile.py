@@ -117,6 +117,27 @@ CASES = {
         "SHA256SUMS: not text",
         lambda run: garbage_sums(run.parent / "data"),
     ),
+    **{
+        f"{flag} {value}": Case(
+            "crossbow_mpi",
+            lambda run, flag=flag, value=value: ["--run-dir", str(run.parent / "new"), *TRAIN, flag, *value.split()],
+            message,
+        )
+        for flag, value, message in (
+            ("--lr", "1e308", "--lr must be at most 3.403e+38 (float32's largest), got 1e+308"),
+            ("--weight-decay", "1e308", "--weight-decay must be at most 3.403e+38"),
+            ("--lr-gamma", "1e308", "--lr-gamma must be at most 3.403e+38"),
+            ("--target-accuracy", "1.5", "--target-accuracy must be a fraction in [0, 1] (0.99 for 99 %), got 1.5"),
+            *(
+                (
+                    "--algorithm",
+                    f"{name} --pipeline-stages 2",
+                    f"--pipeline-stages applies to --algorithm sma, ssgd and eager, not {name}",
+                )
+                for name in ("hogbatch", "omnivore", "elastic")
+            ),
+        )
+    },
     "report onto the run's config": Case(
         "crossbow_mpi.report", lambda run: [str(run), "--out", str(run / "config.json")], "run's records"
     ),
@@ -314,3 +335,13 @@ def test_a_checkpoint_that_does_not_fit_on_disk_is_one_line_and_leaves_no_tempor
     assert done.returncode == 2 and len(ours) == 1 and "Traceback" not in done.stderr, done.stderr
     assert ours[0].startswith("crossbow_mpi: error: cannot write checkpoint") and ours[0].endswith(": File too large")
     assert not list(run.glob("*.tmp"))
+
+
+def test_toml_arrays_give_per_rank_values_like_comma_lists(tmp_path):
+    from crossbow_mpi.train import parse_config
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('batch_size = [16, 8]\ndevice = ["cpu", "cpu"]\n')
+    config = parse_config(["--config", str(toml)])
+    assert (config.batch_size, config.device) == ((16, 8), "cpu,cpu")
+    assert parse_config(["--batch-size", "16,8", "--device", "cpu,cpu"]) == config
