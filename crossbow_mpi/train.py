@@ -6,12 +6,12 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import os
 import sys
 
 from crossbow_mpi.config import ArgumentParser, Config, ConfigError, coerce, load_toml
-from crossbow_mpi.runtime import process
-from crossbow_mpi.training.checkpoint import CheckpointError
+from crossbow_mpi.runtime import signals
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -23,7 +23,7 @@ def field_docs(cls) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(following, ast.Expr)
@@ -67,10 +67,12 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
+    from crossbow_mpi.runtime import process
+    from crossbow_mpi.training.checkpoint import CheckpointError
     from crossbow_mpi.training.trainer import DivergenceError
 
     process.install_abort_on_failure()
-    process.install_stop_signals()
     rank = process.mpi().COMM_WORLD.Get_rank()
     try:
         config = parse_config(argv, quiet=rank != 0)
@@ -121,5 +123,7 @@ def run(config: Config, rank: int) -> int:
 if __name__ == "__main__":
     code = main()
     if code == EXIT_PREEMPTED:
+        from crossbow_mpi.runtime import process
+
         process.exit_promptly(code)
     sys.exit(code)
