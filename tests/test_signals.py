@@ -94,6 +94,24 @@ def test_a_signal_during_the_optimizer_search_stops_it_and_the_resumed_run_searc
 
 
 @pytest.mark.slow
+def test_a_signal_during_a_retune_stops_at_that_step_and_the_resumed_run_trains_on(tmp_path):
+    run_dir = tmp_path / "run"
+    search = ["--algorithm", "omnivore", "--groups", "auto", "--probe-seconds", "0.5", "--optimizer-epoch", "2"]
+    job = start(train_command(run_dir, *LONG, *search))
+
+    def retuning(record: dict) -> bool:
+        decisions = [r.get("decision") for r in records(run_dir)]
+        return "choice" in decisions and decisions[decisions.index("choice") + 1 :].count("probe") > 0
+
+    wait_for_record(job, run_dir, retuning)
+    out, err, seconds = stop_with(job, signal.SIGUSR1)
+    assert_stopped(run_dir, out, err, seconds, job.returncode)
+    stopped = records(run_dir)
+    assert not any(r.get("decision") == "retune" for r in stopped) and stopped[-1]["iteration"] > 0
+    assert resume(run_dir, *SHORT, *search)[-1]["event"] == "summary"
+
+
+@pytest.mark.slow
 def test_a_signal_before_training_stops_with_a_checkpoint_of_iteration_0(tmp_path):
     run_dir = tmp_path / "run"
     job = start(train_command(run_dir, *LONG))
