@@ -26,7 +26,9 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 
 def start(command: list[str], env=ENV) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start the command in a session of its own (as a terminal's foreground job)."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
+    return subprocess.Popen(command, cwd=REPO, env=env, **pipes)
 
 
 def train_command(run_dir, *flags: str) -> list[str]:
@@ -46,10 +48,14 @@ def wait_for_record(job: subprocess.Popen, run_dir, wanted, timeout: float = 120
         time.sleep(0.1)
 
 
-def stop_with(job: subprocess.Popen, signum: int) -> tuple[str, str, float]:
-    """Send the signal; return the job's output and the seconds it took to end."""
+def stop_with(job: subprocess.Popen, signum: int, group: bool = False) -> tuple[str, str, float]:
+    """Send the signal to the job (`group`: to its process group, as a terminal's Ctrl-C); return the job's output
+    and the seconds it took to end."""
     sent = time.monotonic()
-    job.send_signal(signum)
+    if group:
+        os.killpg(job.pid, signum)
+    else:
+        job.send_signal(signum)
     try:
         out, err = job.communicate(timeout=STOP_WITHIN_S + 30)
     finally:
@@ -156,13 +162,13 @@ def local_sh(tmp_path) -> tuple[list[str], dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_to_local_sh_checkpoint_and_exit_75(tmp_path, signum):
+@pytest.mark.parametrize(("signum", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["TERM", "ctrl-c"])
+def test_sigterm_and_ctrl_c_to_local_sh_checkpoint_and_exit_75(tmp_path, signum, group):
     run_dir = tmp_path / "run"
     command, env = local_sh(tmp_path)
     job = start([*command, "--run-dir", str(run_dir), *LONG], env)
     wait_for_record(job, run_dir, lambda r: "test_accuracy" in r)
-    out, err, seconds = stop_with(job, signum)
+    out, err, seconds = stop_with(job, signum, group)
     assert_stopped(run_dir, out, err, seconds, job.returncode)
     assert records(run_dir)[-1]["iteration"] > 0
     assert resume(run_dir, *SHORT)[-1]["event"] == "summary"
@@ -190,6 +196,6 @@ def test_ctrl_c_to_a_single_process_run_checkpoints_and_exits_75(tmp_path):
     run_dir = tmp_path / "run"
     job = start([sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir), *LONG])
     wait_for_record(job, run_dir, lambda r: "test_accuracy" in r)
-    out, err, seconds = stop_with(job, signal.SIGINT)
+    out, err, seconds = stop_with(job, signal.SIGINT, group=True)
     assert_stopped(run_dir, out, err, seconds, job.returncode)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
