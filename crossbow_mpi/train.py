@@ -11,8 +11,7 @@ import os
 import sys
 
 from crossbow_mpi.config import ArgumentParser, Config, ConfigError, coerce, load_toml
-from crossbow_mpi.runtime import process
-from crossbow_mpi.training.checkpoint import CheckpointError
+from crossbow_mpi.runtime import signals
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -71,10 +70,12 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
+    from crossbow_mpi.runtime import process
+    from crossbow_mpi.training.checkpoint import CheckpointError
     from crossbow_mpi.training.trainer import DivergenceError
 
     process.install_abort_on_failure()
-    process.install_stop_signals()
     rank = process.mpi().COMM_WORLD.Get_rank()
     try:
         config = parse_config(argv, quiet=rank != 0)
@@ -125,5 +126,7 @@ def run(config: Config, rank: int) -> int:
 if __name__ == "__main__":
     code = main()
     if code == EXIT_PREEMPTED:
+        from crossbow_mpi.runtime import process
+
         process.exit_promptly(code)
     sys.exit(code)

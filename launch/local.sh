@@ -14,4 +14,11 @@ if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
     mpi_args+=(--oversubscribe --bind-to none)
     [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-exec mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} python -m crossbow_mpi.train "$@"
+# mpirun answers SIGTERM and SIGINT by killing the ranks within half a second, too soon for a checkpoint; it
+# forwards SIGUSR1, on which every rank writes one and exits 75. So this script turns the first two into the third,
+# and runs mpirun in a session of its own, out of reach of the terminal's Ctrl-C.
+setsid mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} python -m crossbow_mpi.train "$@" < /dev/null &
+pid=$!
+trap 'kill -USR1 "$pid" 2>/dev/null || true' TERM INT
+while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+wait "$pid"

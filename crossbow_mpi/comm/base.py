@@ -193,6 +193,12 @@ class StopAgreement:
         wait_sleeping([request])
         return bool(flag[0])
 
+    def now(self) -> bool:
+        """Vote, and return whether any rank received a stop request up to now (collective)."""
+        flag = np.array([float(self.requested())])
+        wait_sleeping([self.channel.iallreduce_sum_(flag)])
+        return bool(flag[0])
+
     def close(self) -> None:
         """Complete the votes in flight and free the channel (collective: every rank voted as often)."""
         wait_sleeping([request for _, request in self.pending])

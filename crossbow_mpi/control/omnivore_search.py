@@ -28,6 +28,10 @@ Every probe starts from the same in-memory snapshot (`Run.state_dict`) and train
 one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
 probe and the choice is a metrics record `{"event": "optimizer"}` with its algorithm; the search's seconds count as
 training time, and the state's `optimizer_s` adds them up.
+
+The ranks vote before every probe step whether any received a stop signal: a stop ends the search there, with the
+run back at its snapshot and setting, and no choice; a resumed run searches again from the start (a cold start at
+once, a re-tune `--optimizer-epoch` seconds after the resume).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ TIMING_STEPS = 3
 MIN_SPEEDUP = 0.1
 AUTO_ALGORITHMS = ("sma", "ssgd", "eager", "omnivore")
 """What `--algorithm auto` chooses among."""
+
+
+class SearchStopped(Exception):
+    """A stop signal ended the search (raised on every rank at the same step)."""
 
 
 def optimizes(config: Config) -> bool:
@@ -80,8 +88,12 @@ class OmnivoreOptimizer:
     """Search (g, μ, η), and with `--algorithm auto` the algorithm, with timed probes on the run (collective over
     the world). One optimizer serves a whole session: it remembers each algorithm's best of its last search."""
 
-    def __init__(self, config: Config, run: Run, metrics: MetricsLog, progress: Progress):
+    def __init__(
+        self, config: Config, run: Run, metrics: MetricsLog, progress: Progress, stop: Callable[[], bool] = bool
+    ):
         self.config = config
+        self.stop = stop
+        """Votes whether any rank received a stop signal (collective); by default never."""
         self.run = run
         self.world = run.topology.world
         self.metrics = metrics
@@ -91,15 +103,15 @@ class OmnivoreOptimizer:
         self.bests: dict[str, dict] = {}
         """With `--algorithm auto`: each algorithm's best probe of the last search."""
 
-    def choose(self) -> dict:
+    def choose(self) -> dict | None:
         """Probe from cold, then leave the run at its snapshot with the best (algorithm, g, μ, η); return the choice's
-        record."""
+        record (None: a stop signal ended the search)."""
         return self._search("choice", self._cold_start_algorithms if self.auto else self._cold_start, count_time=True)
 
-    def retune(self) -> dict:
+    def retune(self) -> dict | None:
         """Search μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} around the current g, halving g while the best μ there is 0
         (with `--algorithm auto`, then every other algorithm at its last best); leave the run at its snapshot with
-        the best; return the record."""
+        the best; return the record (None: a stop signal ended the search)."""
         return self._search("retune", self._recheck if self.auto else self._around_current, count_time=False)
 
     def _cold_start(self, snapshot: dict, first: str = "omnivore") -> None:
@@ -154,16 +166,26 @@ class OmnivoreOptimizer:
         fits = {"eager": self.world.size > 1, "omnivore": self.world.size % 2 == 0}
         return [name for name in AUTO_ALGORITHMS if fits.get(name, True)]
 
-    def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict:
+    def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict | None:
         """Run `search` from a snapshot of the run, in rounds of one global step, then restore the snapshot with the
-        best probe's (algorithm, g, μ, η) and record the decision (collective)."""
+        best probe's (algorithm, g, μ, η) and record the decision; on a stop signal, restore it as it was and return
+        None (collective)."""
         run, started = self.run, time.perf_counter()
         run.settle()
         run.algorithm.drain()
-        snapshot = run.state_dict()
+        snapshot, before = run.state_dict(), run.choice
         round_samples, run.round_samples = run.round_samples, run.sampler.step_size(run.learners.k, run.hp.batch_size)
         self.probes = []
-        search(snapshot)
+        try:
+            search(snapshot)
+        except SearchStopped:
+            run.settle()
+            run.algorithm.drain()
+            run.switch_algorithm(before["algorithm"], before["groups"])
+            run.load_state_dict(snapshot)
+            run.round_samples = round_samples
+            self.progress.note(f"optimizer ({decision}): stopped by a signal after {len(self.probes)} probes")
+            return None
         choice = self.best()
         self.bests.update({p["algorithm"]: self.best(algorithm=p["algorithm"]) for p in self.probes})
         self.start_from(snapshot, choice["algorithm"], choice["groups"], choice["momentum"], choice["lr"])
@@ -229,8 +251,11 @@ class OmnivoreOptimizer:
         self.metrics.write({"event": "optimizer", "decision": "probe", **_recorded(record)})
 
     def step(self, lr: float) -> float:
-        """Take one step, wrapping to the next epoch as the loop does; return this rank's mean learner loss."""
+        """Take one step, wrapping to the next epoch as the loop does; return this rank's mean learner loss; raise
+        SearchStopped when a rank received a stop signal (collective)."""
         run = self.run
+        if self.stop():
+            raise SearchStopped
         if not run.step_fits():
             run.state.next_epoch()
         return float(run.train_step(lr).losses.mean())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 import threading
 import traceback
@@ -15,9 +14,8 @@ import torch
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.datasets import DataError
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_stop_requested = threading.Event()
+from crossbow_mpi.runtime.signals import install_stop_signals as install_stop_signals
+from crossbow_mpi.runtime.signals import stop_requested as stop_requested
 
 LAUNCHERS = (
     ("OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),  # Open MPI's mpirun
@@ -176,17 +174,6 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(value)
     np.random.seed(value % 2**32)
     torch.manual_seed(value)
-
-
-def install_stop_signals() -> None:
-    """Turn SIGTERM and SIGUSR1 (preemption, SLURM's --signal) into a request to checkpoint and stop."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda *_: _stop_requested.set())
-
-
-def stop_requested() -> bool:
-    """Tell whether this rank received a stop signal."""
-    return _stop_requested.is_set()
 
 
 def exit_promptly(code: int) -> None:

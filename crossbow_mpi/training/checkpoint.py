@@ -26,6 +26,7 @@ its rank. See `Run.load_state_dict` for the learners.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,8 @@ from crossbow_mpi.config import ConfigError
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
+TEMPORARY = re.compile(r"^checkpoint-\d{9}\.h5\.tmp$")
+"""A checkpoint being written; one that outlived its run was never renamed (the run was killed while writing it)."""
 ARRAYS = ("z", "u", "extra")
 """The central model's arrays, in its group."""
 
@@ -193,6 +196,18 @@ def _is_hdf5(path: Path) -> bool:
             return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
     except OSError:
         return False
+
+
+def remove_temporaries(run_dir: str) -> list[Path]:
+    """Remove the checkpoint files that a killed run left half-written (call only from the run that owns the run
+    directory, before it writes); return those removed."""
+    removed = []
+    for path in Path(run_dir).iterdir():
+        if TEMPORARY.match(path.name) and path.is_file() and not path.is_symlink():
+            with contextlib.suppress(OSError):  # one that cannot be removed is only clutter
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def list_checkpoints(run_dir: str) -> list[Path]:

@@ -241,26 +241,37 @@ class Retuning:
     from its choice, and searches again around the current setting every `optimizer_epoch` seconds of training
     (collective: rank 0's clock decides for every rank)."""
 
-    def __init__(self, config: Config, world: Communicator, run: Run, metrics: MetricsLog, progress: Progress):
+    def __init__(
+        self,
+        config: Config,
+        world: Communicator,
+        run: Run,
+        metrics: MetricsLog,
+        progress: Progress,
+        stop: Callable[[], bool],
+    ):
         self.world = world
-        self.optimizer = OmnivoreOptimizer(config, run, metrics, progress) if optimizes(config) else None
+        self.optimizer = OmnivoreOptimizer(config, run, metrics, progress, stop) if optimizes(config) else None
         self.every = config.optimizer_epoch if self.optimizer else 0.0
         self.last: float | None = None
         """Training seconds at the last search (until the first: this session's start)."""
 
-    def choose(self, run: Run) -> None:
-        """Search from cold before training, unless the run's state was already tuned (resumed)."""
-        if self.optimizer is not None and not run.state.optimizer_s:
-            self.optimizer.choose()
+    def choose(self, run: Run) -> bool:
+        """Search from cold before training, unless the run's state was already tuned (resumed); return whether a stop
+        signal ended the search (the run is back at its state before it)."""
+        return self.optimizer is not None and not run.state.optimizer_s and self.optimizer.choose() is None
 
-    def after_step(self, run: Run, clock: Clock) -> None:
+    def after_step(self, run: Run, clock: Clock) -> bool:
+        """Search again when due; return whether a stop signal ended the search (the run is back at this step)."""
         if not self.every:
-            return
+            return False
         self.last = run.state.elapsed_s if self.last is None else self.last
         if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
             assert self.optimizer is not None, "`every` is set with an optimizer"
-            self.optimizer.retune()
+            if self.optimizer.retune() is None:
+                return True
             self.last = clock.elapsed(run.state)
+        return False
 
 
 class Controller(Protocol):
@@ -397,15 +408,16 @@ class Components:
         for note in checkpoints.restore(run) if config.resume else []:
             progress.note(note)
         progress.advance(run.state.samples)
+        stopping = StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested)
         return cls(
             schedule=Schedule(config),
             evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
             checkpoints=checkpoints,
             tuning=tuning,
             controllers=adjusting,
-            retuning=Retuning(config, world, run, metrics, progress),
+            retuning=Retuning(config, world, run, metrics, progress, stopping.now),
             divergence=DivergenceCheck(world, config.run_dir),
-            stopping=StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested),
+            stopping=stopping,
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
             metrics=metrics,
             progress=progress,

@@ -208,9 +208,11 @@ class Trainer:
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
+        for stale in checkpoint.remove_temporaries(cfg.run_dir) if world.rank == 0 else []:
+            parts.progress.note(f"removed {stale.name}, left by a run killed while writing it")
         try:
-            parts.retuning.choose(run)
-            result = self._loop(run, parts)
+            stop = parts.stopping.now() or parts.retuning.choose(run)  # the same outcome on every rank
+            result = self._loop(run, parts, stop)
             if cfg.pipeline_stages > 1:
                 result = _whole_model(result, self.topology.stage, model_fn, run.engine.cut)
         except BaseException:
@@ -220,11 +222,15 @@ class Trainer:
         self.topology.close()
         return result
 
-    def _loop(self, run: Run, c: Components) -> FitResult:
-        """Train until the epoch limit, the target accuracy or a stop signal; evaluate and checkpoint at the end."""
+    def _loop(self, run: Run, c: Components, stop: bool) -> FitResult:
+        """Train until the epoch limit, the target accuracy or a stop signal (`stop`: before the first step);
+        evaluate and checkpoint at the end."""
         cfg, state, clock = self.config, run.state, Clock()
-        lr, record, stop, time_limited = c.schedule.current_lr(run), None, False, False
-        while run.epoch_progress < cfg.epochs and state.time_to_accuracy_s is None and not time_limited:
+        lr, record, time_limited = c.schedule.current_lr(run), None, False
+        if stop:
+            run.settle()
+            c.checkpoints.save(run, clock.elapsed(state))
+        while not stop and run.epoch_progress < cfg.epochs and state.time_to_accuracy_s is None and not time_limited:
             if not run.step_fits():
                 state.next_epoch()
                 continue
@@ -239,7 +245,7 @@ class Trainer:
             c.watchdog.progress(state.iteration)
             c.tuning.after_step(run, step, clock.elapsed(state))
             c.controllers.after_step(run, step, clock.elapsed(state))
-            c.retuning.after_step(run, clock)
+            stop = c.retuning.after_step(run, clock) or stop
             evaluate, save = c.evaluation.due(run), c.checkpoints.due(state) or stop
             if evaluate or save:
                 run.settle()
