@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 from crossbow_mpi.config import CUTS
 from crossbow_mpi.planner import perf_model
 from crossbow_mpi.planner.measure import (
+    DATASETS,
     EFFICIENCY_FILE,
     INPUT_SHAPES,
     STAGES,
@@ -105,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="tiny measurements: check that it runs")
     parser.add_argument("--out", type=Path, default=Path("plan"), help="directory for plan.json and plan.png")
+    parser.add_argument(
+        "--data-dir",
+        default="datasets/mnist",
+        help="MNIST's directory, for the runs the planner trains (default: datasets/mnist, from the repository root)",
+    )
     return parser
 
 
@@ -130,6 +137,15 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-devices must be at least 1, got {args.max_devices}")
     if (args.bandwidth is None) != (args.latency is None):
         raise ValueError("give --bandwidth and --latency together")
+    if args.bandwidth is not None and not (math.isfinite(args.bandwidth) and args.bandwidth > 0):
+        raise ValueError(f"--bandwidth must be a positive number of Gb/s, got {args.bandwidth}")
+    if args.latency is not None and not (math.isfinite(args.latency) and args.latency >= 0):
+        raise ValueError(f"--latency must be a non-negative number of µs, got {args.latency}")
+    check_out(args.out)
+    trains = args.workload is None or args.validate or args.measure_efficiency
+    on_mnist = (args.dataset or DATASETS[args.model]) == "mnist"
+    if trains and on_mnist and not (Path(args.data_dir) / "SHA256SUMS").is_file():
+        raise ValueError(f"--data-dir {args.data_dir}: no MNIST there (run from the repository root, or pass it)")
     if args.efficiency is not None and not args.efficiency.is_file():
         raise ValueError(f"--efficiency {args.efficiency}: no such file")
     if args.workload is not None and not args.workload.is_file():
@@ -141,6 +157,17 @@ def check(args: argparse.Namespace) -> None:
             f"need 0 < --target-accuracy <= 1 and --efficiency-epochs > 0, got {args.target_accuracy} and "
             f"{args.efficiency_epochs}"
         )
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any measurement, an --out that holds an earlier plan or that cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: not a directory")
+    if (out / "plan.json").exists():
+        raise ValueError(f"--out {out} holds an earlier plan (plan.json): choose another directory")
+    existing = next(parent for parent in (out, *out.parents) if parent.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable")
 
 
 def plan(args: argparse.Namespace) -> None:

@@ -138,6 +138,30 @@ CASES = {
             ),
         )
     },
+    "plan with a negative bandwidth": Case(
+        "crossbow_mpi.plan",
+        lambda run: ["--quick", "--bandwidth", "-1", "--latency", "2", "--out", str(run.parent / "plan")],
+        "--bandwidth must be a positive number of Gb/s, got -1.0",
+    ),
+    "plan with a latency that is not a number": Case(
+        "crossbow_mpi.plan",
+        lambda run: ["--quick", "--bandwidth", "10", "--latency", "nan", "--out", str(run.parent / "plan")],
+        "--latency must be a non-negative number of µs, got nan",
+    ),
+    "plan into a directory holding an earlier plan": Case(
+        "crossbow_mpi.plan",
+        lambda run: ["--quick", "--out", str(run)],
+        "holds an earlier plan (plan.json): choose another directory",
+        write("plan.json", "{}\n"),
+    ),
+    "plan into a file": Case(
+        "crossbow_mpi.plan", lambda run: ["--quick", "--out", str(run / "config.json")], "not a directory"
+    ),
+    "plan without MNIST": Case(
+        "crossbow_mpi.plan",
+        lambda run: ["--quick", "--data-dir", str(run / "nowhere"), "--out", str(run.parent / "plan")],
+        "no MNIST there (run from the repository root, or pass it)",
+    ),
     "report onto the run's config": Case(
         "crossbow_mpi.report", lambda run: [str(run), "--out", str(run / "config.json")], "run's records"
     ),

@@ -391,6 +391,7 @@ def train_step_s(args: argparse.Namespace, ranks: int, stages: int, steps: int) 
         "epochs": samples / 60000,
         "eval-every": samples // 2,
         "target-accuracy": 0,
+        "data-dir": args.data_dir,
     }
     rate = [r["samples_per_s"] for r in train(ranks, flags) if "samples_per_s" in r][-1]
     return aggregate / rate
@@ -422,6 +423,7 @@ def measure_efficiency(args: argparse.Namespace) -> Path:
             "epochs": args.efficiency_epochs,
             "eval-every": max(aggregate, 200 if args.quick else 2000),
             "target-accuracy": args.target_accuracy,
+            "data-dir": args.data_dir,
         }
         summary = train(1, flags)[-1]
         rows.append(
