@@ -10,14 +10,12 @@ import threading
 import h5py
 import pytest
 import torch
-from test_eager import metrics_records, mlp_bn
-from test_omnivore import lockstep
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.control.omnivore_search import AUTO_ALGORITHMS
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from test_algorithms import STEPS, datasets, run_config
+from helpers import STEPS, datasets, lockstep, metrics_records, mlp_bn, run_config
 
 
 def auto_run(comm, shared_tmp, **overrides) -> tuple:

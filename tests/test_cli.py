@@ -12,14 +12,34 @@ import pytest
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.train import build_parser, parse_config
 
-from conftest import MNIST_DIR, run_job
+from helpers import MNIST_DIR, run_job
 
-CONTRACT_FLAGS = (
-    "--algorithm --model --dataset --data-dir --learners --batch-size --lr --momentum "
-    "--weight-decay --alpha --central-momentum --lr-steps --lr-gamma --warmup-epochs --epochs "
-    "--target-accuracy --eval-every --device --threads --seed --run-dir --checkpoint-every "
-    "--resume --config"
-).split()
+CONTRACT_FLAGS = [
+    "--algorithm",
+    "--model",
+    "--dataset",
+    "--data-dir",
+    "--learners",
+    "--batch-size",
+    "--lr",
+    "--momentum",
+    "--weight-decay",
+    "--alpha",
+    "--central-momentum",
+    "--lr-steps",
+    "--lr-gamma",
+    "--warmup-epochs",
+    "--epochs",
+    "--target-accuracy",
+    "--eval-every",
+    "--device",
+    "--threads",
+    "--seed",
+    "--run-dir",
+    "--checkpoint-every",
+    "--resume",
+    "--config",
+]
 
 
 def test_help_documents_every_flag():

@@ -18,7 +18,7 @@ from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
 
-from conftest import self_comm
+from helpers import self_comm
 from reference import relative_error, sma_reference
 
 

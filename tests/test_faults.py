@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, mpirun_command, run_job
+from helpers import REPO, mpirun_command, run_job
 
 RUN = [
     "--dataset",

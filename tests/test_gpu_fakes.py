@@ -22,7 +22,7 @@ from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
 from crossbow_mpi.parallel.partition import param_cut, split_model
 from crossbow_mpi.parallel.pipeline import NcclLink, PipelineEngine, PipelineStage, StageLink, build_link
 
-from test_pipeline import deep_mlp, needs_stages
+from helpers import deep_mlp, needs_stages
 
 GPU = torch.device("cuda", 0)
 CUPY_13, CUPY_14 = "13.6.0", "14.2.0"

@@ -8,11 +8,10 @@ from types import SimpleNamespace
 import h5py
 import pytest
 import torch
-from test_eager import metrics_records
-from test_user_inputs import ALGORITHMS
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import per_rank
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy, adapt
 from crossbow_mpi.data import synthetic_dataset
@@ -21,9 +20,8 @@ from crossbow_mpi.runtime import process
 from crossbow_mpi.train import parse_config
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from conftest import run_job
+from helpers import metrics_records, mlp, run_config, run_job
 from reference import relative_error, sgd_reference
-from test_algorithms import mlp, run_config
 
 STEPS = 12
 SIZES = (3, 5, 2, 6)

@@ -18,7 +18,7 @@ from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
 from crossbow_mpi.training.trainer import FitResult
 
-from conftest import self_comm
+from helpers import self_comm
 
 needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="no C++ compiler")
 

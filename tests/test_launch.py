@@ -16,7 +16,7 @@ import pytest
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.runtime import process
 
-from conftest import REPO, mpirun_command
+from helpers import REPO, mpirun_command
 
 SHORT_RUN = [
     "--dataset",

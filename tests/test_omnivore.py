@@ -9,7 +9,6 @@ import math
 import h5py
 import pytest
 import torch
-from test_eager import evaluation_records, metrics_records, mlp_bn
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.comm.base import wait_sleeping
@@ -19,21 +18,22 @@ from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.rank_run import ROUND_STEPS
 from crossbow_mpi.transports.model_server import ModelServer
 
-from conftest import run_job
-from test_algorithms import BATCH, STEPS, datasets, run_config
-
-
-def divisors(size: int) -> list[int]:
-    return [groups for groups in range(1, size + 1) if size % groups == 0]
+from helpers import (
+    BATCH,
+    STEPS,
+    datasets,
+    divisors,
+    evaluation_records,
+    lockstep,
+    metrics_records,
+    mlp_bn,
+    run_config,
+    run_job,
+)
 
 
 def all_groups(comm) -> list[int]:
     return [groups for groups in divisors(comm.size) if groups > 1] or [1]
-
-
-def lockstep(comm, learners: int) -> int:
-    """Return the samples of one global step: as rounds, every group takes exactly one step in each."""
-    return comm.size * learners * BATCH
 
 
 @pytest.mark.mpi(min_size=1)

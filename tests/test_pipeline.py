@@ -23,30 +23,18 @@ from crossbow_mpi.parallel.pipeline import ACTIVATION, Transfer, schedule_ops, s
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import evaluate_model
 
-from conftest import run_job, run_tool, self_comm
+from helpers import datasets as algorithm_datasets
+from helpers import deep_mlp, needs_stages, run_config, run_job, run_tool, self_comm
 from reference import relative_error, sgd_reference, sma_reference
-from test_algorithms import datasets as algorithm_datasets
-from test_algorithms import run_config
 
 STEPS = 12
 BATCH = 4
-
-
-def deep_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(36, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 12), nn.Linear(12, 10)
-    )
 
 
 def mlp_bn_float64() -> nn.Module:
     return nn.Sequential(
         nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10)
     ).double()
-
-
-def needs_stages(comm, stages: int) -> None:
-    if comm.size % stages:
-        pytest.skip(f"{stages} stages do not divide {comm.size} ranks")
 
 
 def datasets(pipelines: int, learners: int):

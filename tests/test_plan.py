@@ -12,7 +12,7 @@ from crossbow_mpi import plan
 from crossbow_mpi.planner import perf_model
 from crossbow_mpi.planner.perf_model import EpochCurve, Network, Workload
 
-from conftest import REPO
+from helpers import REPO
 
 FREE = Network(0.0, 0.0)
 

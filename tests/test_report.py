@@ -9,8 +9,16 @@ import pytest
 from crossbow_mpi import Trainer
 from crossbow_mpi.report import draw, read_run
 
-from conftest import assert_user_error, run_job, run_tool, self_comm
-from test_snapshots import HalveLrAt, config, datasets, mlp
+from helpers import (
+    HalveLrAt,
+    assert_user_error,
+    run_job,
+    run_tool,
+    self_comm,
+    snapshot_config,
+    snapshot_datasets,
+    snapshot_mlp,
+)
 
 RUN = [
     "--dataset",
@@ -44,8 +52,10 @@ def runs(tmp_path_factory):
     }.items():
         job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
         assert job.returncode == 0, job.stderr
-    train, test = datasets()
-    Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test, controllers=[HalveLrAt(5)])
+    train, test = snapshot_datasets()
+    Trainer(snapshot_config(base / "controlled", eval_every=160), self_comm()).fit(
+        snapshot_mlp, train, test, controllers=[HalveLrAt(5)]
+    )
     return [base / "auto", base / "eager", base / "controlled", base / "adaptive", base / "omnivore"]
 
 

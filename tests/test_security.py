@@ -13,7 +13,7 @@ import pytest
 from crossbow_mpi.data import DataError, load_cifar10
 from crossbow_mpi.data.prepare import prepare
 
-from conftest import REPO
+from helpers import REPO
 
 UNSAFE_CALLS = re.compile(
     r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"

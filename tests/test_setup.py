@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 FAKE_PYTHON = """#!{real}
 import json, os, subprocess, sys

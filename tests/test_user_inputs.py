@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from test_eager import metrics_records
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 from torch.utils.data import Dataset
@@ -22,7 +21,7 @@ from crossbow_mpi.data import DataError, synthetic_dataset
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.train import parse_config
 
-from conftest import REPO, mpirun_command, run_job
+from helpers import REPO, metrics_records, mpirun_command, run_job
 
 ALGORITHMS = ["sma", "ssgd", "eager"]
 

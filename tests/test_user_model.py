@@ -11,8 +11,8 @@ from crossbow_mpi import ConfigError, Trainer
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 
+from helpers import BATCH, STEPS, datasets, run_config
 from reference import relative_error, sgd_reference
-from test_algorithms import BATCH, STEPS, datasets, run_config
 
 FEATURES = 36
 
