@@ -4,6 +4,7 @@ test_omnivore)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
@@ -57,7 +58,7 @@ def test_auto_rechecks_every_algorithm_every_optimizer_epoch(comm, shared_tmp):
     records = [r for r in records if r.get("event") == "optimizer"]
     decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
     assert [records[i]["decision"] for i in decisions[:2]] == ["choice", "retune"]
-    for before, after in zip(decisions, decisions[1:]):
+    for before, after in itertools.pairwise(decisions):
         current, probes = records[before], records[before + 1 : after]
         assert {p["algorithm"] for p in probes} == probed(comm)
         own = [p for p in probes if p["algorithm"] == current["algorithm"]]

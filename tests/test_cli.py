@@ -119,7 +119,7 @@ def file_in(tmp):
 @pytest.mark.parametrize("case", sorted(BAD_RUNS))
 def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     make_args, expected = BAD_RUNS[case]
-    args = ["--run-dir", str(tmp_path / "run")] + make_args(tmp_path)
+    args = ["--run-dir", str(tmp_path / "run"), *make_args(tmp_path)]
     started = time.monotonic()
     job = run_job(ranks, args, timeout=60)
     assert job.returncode == 2, job.stderr

@@ -159,7 +159,7 @@ def test_without_cupy_auto_says_so_and_uses_mpi(comm, gpus, monkeypatch, capsys)
     gpus()
     monkeypatch.setitem(sys.modules, "cupy", None)
     monkeypatch.setitem(sys.modules, "cupy.cuda", None)
-    with pytest.raises(ConfigError, match="^--comm nccl: CuPy with NCCL is not installed"):
+    with pytest.raises(ConfigError, match=r"^--comm nccl: CuPy with NCCL is not installed"):
         build_communicator(comm.mpi_comm, "nccl", GPU)
     assert type(build_communicator(comm.mpi_comm, "auto", GPU)) is MpiCommunicator
     assert ("CuPy with NCCL is not installed" in capsys.readouterr().err) == (comm.rank == 0)

@@ -139,7 +139,7 @@ def test_ssgd_with_unequal_batches_equals_single_process_sgd_on_the_union_batch(
     model = sgd_reference(mlp, cfg, train.dataset, aggregate, STEPS)
     assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-5
     training = [i for i in train.used if len(i) == sizes[comm.rank]][: STEPS * learners]
-    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    used = [i for rank in comm.allgather_json(torch.cat(training).tolist()) for i in rank]
     assert sorted(used) == list(range(STEPS * aggregate)), "every sample of the epoch once"
 
 
@@ -199,7 +199,7 @@ def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, share
     assert (changes == []) == (comm.size == 1), changes
     assert all(4 <= b <= 32 for _, sizes in changes for b in sizes)
     training = [i for i in train.used if len(i) != 1][: result.iterations]
-    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    used = [i for rank in comm.allgather_json(torch.cat(training).tolist()) for i in rank]
     assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
 
 

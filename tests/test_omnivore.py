@@ -3,6 +3,7 @@ starves, staleness statistics in every evaluation record, the server's state in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -245,7 +246,7 @@ def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_
     records = [r for r in records if r.get("event") == "optimizer"]
     decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
     assert [records[i]["decision"] for i in decisions] == ["choice"] + ["retune"] * (STEPS // 10)
-    for before, after in zip(decisions, decisions[1:]):
+    for before, after in itertools.pairwise(decisions):
         current, probes, decision = records[before], records[before + 1 : after], records[after]
         assert decision["probes"] == len(probes)
         groups, lr = current["groups"], current["lr"]

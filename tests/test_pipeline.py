@@ -100,7 +100,7 @@ def test_fit_result_holds_the_whole_model_that_evaluation_ran(comm, shared_tmp):
         inputs, targets = test.get_batch(torch.arange(len(test)))
         outputs = model(inputs)
     assert int((outputs.argmax(1) == targets).sum()) / len(test) == result.test_accuracy
-    records = [json.loads(line) for line in open(shared_tmp / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in (shared_tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     test_loss = [r["test_loss"] for r in records if "test_loss" in r][-1]
     assert float(F.cross_entropy(outputs, targets)) == pytest.approx(test_loss, rel=1e-5)
 
@@ -264,7 +264,7 @@ def test_schedules_progress_under_rendezvous_sends_and_1f1b_bounds_the_activatio
     deadlocks = play(one_by_one) != [len(order) for order in one_by_one]
     assert deadlocks == (schedule == "1f1b" and micro_batches > 1)
     if schedule == "1f1b":
-        for s, order in enumerate(orders):
+        for s in range(stages):
             held = peak = 0
             for op, _ in schedule_ops(schedule, s, stages, micro_batches):
                 held += 1 if op == "F" else -1

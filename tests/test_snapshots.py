@@ -53,7 +53,7 @@ def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm)
             run.train_step(0.05)
         runs.append((state_bits(run), run.state.to_dict(), torch.rand(3)))
     (first, first_state, first_rng), (second, second_state, second_rng) = runs
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert first_state == second_state and first_state["iteration"] == 23
     assert torch.equal(first_rng, second_rng)
     assert not torch.equal(first[0], snapshot["central"]["z"]), "the 20 steps changed nothing"
@@ -125,7 +125,7 @@ def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, le
     taken_before = None
     if comm.rank < 2:
         Trainer(snapshot_config(origin, epochs=epochs), first).fit(snapshot_mlp, before, test)
-        taken_before = sum(first.allgather_json(before.taken), [])
+        taken_before = [i for rank in first.allgather_json(before.taken) for i in rank]
     taken_before = comm.bcast_json(taken_before)
     run_dir = shared_tmp / "resumed"
     if comm.rank == 0:
@@ -150,7 +150,7 @@ def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, le
 
         after = RecordingDataset(train)
         Trainer(cfg, scope).fit(snapshot_mlp, after, test)
-        epoch = taken_before + sum(scope.allgather_json(after.taken), [])
+        epoch = taken_before + [i for rank in scope.allgather_json(after.taken) for i in rank]
         assert len(epoch) == len(set(epoch)), "a sample was trained on twice in the epoch"
         assert SNAPSHOT_SAMPLES - len(epoch) < ranks * learners * BATCH, "samples of the epoch were skipped"
 

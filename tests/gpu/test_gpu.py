@@ -70,7 +70,7 @@ def test_two_ranks_on_one_gpu_with_nccl_is_a_clear_error(comm):
     if one_gpu_per_rank(comm) or nccl_module() is None:
         pytest.skip("needs more ranks than GPUs, and CuPy")
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
-    with pytest.raises(ConfigError, match="^--comm nccl: ranks .* share GPUs"):
+    with pytest.raises(ConfigError, match=r"^--comm nccl: ranks .* share GPUs"):
         build_communicator(comm.mpi_comm, "nccl", device)
 
 
@@ -182,7 +182,7 @@ def test_prefetched_batches_equal_fetched_ones_and_a_stale_prefetch_is_fetched_a
         batches = prefetcher.batches(*wanted)
         for batch, row in zip(batches, sampler.indices(*wanted), strict=True):
             expected = to_device(fetch_batch(data, row), device, torch.float32)
-            assert all(torch.equal(a, b) for a, b in zip(batch, expected))
+            assert all(torch.equal(a, b) for a, b in zip(batch, expected, strict=True))
 
 
 @pytest.mark.mpi(min_size=1)
