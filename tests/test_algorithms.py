@@ -25,7 +25,9 @@ def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tm
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners, fused_step", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize(
+    "learners, fused_step", [(1, False), (3, False), pytest.param(3, True, marks=pytest.mark.slow)]
+)
 def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, learners, fused_step):
     train, test = datasets(comm.size, learners)
     cfg = run_config(

@@ -52,6 +52,7 @@ def test_auto_probes_every_algorithm_then_trains_to_the_end_with_the_best(comm, 
     assert threading.active_count() == threads, "the transports switched away from left no thread"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_auto_rechecks_every_algorithm_every_optimizer_epoch(comm, shared_tmp):
     _, records = auto_run(comm, shared_tmp, optimizer_epoch=1e-6, epochs=0.1)

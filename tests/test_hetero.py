@@ -203,6 +203,7 @@ def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, share
     assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=2)
 def test_a_resumed_run_continues_the_adaptive_window_where_its_checkpoint_left_it(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 2000, seed=0)

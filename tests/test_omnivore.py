@@ -232,6 +232,7 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
     assert all(r["lr"] == choice["lr"] for r in evaluations)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_epoch(comm, shared_tmp):
     result, _, records = auto_run(

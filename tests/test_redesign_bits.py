@@ -18,6 +18,8 @@ from crossbow_mpi.models import build_model
 
 from helpers import MNIST_DIR
 
+pytestmark = pytest.mark.slow
+
 REFERENCE_SHA256 = {
     "sma": "05e03d9a31ec96c513584cb5843262340cc58593076df109d70d071e1afc5d17",
     "ssgd": "32e1b4e29df753827b18916acd33789361a0022fef8383f113480f43096035f7",
