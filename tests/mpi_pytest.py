@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, as `python -m pytest` has it
 rank = MPI.COMM_WORLD.Get_rank()
-args = sys.argv[1:] + ["-p", "no:cacheprovider"]
+args = [*sys.argv[1:], "-p", "no:cacheprovider"]
 if rank == 0:
     sys.exit(pytest.main(args))
 with tempfile.TemporaryFile("w+") as log:

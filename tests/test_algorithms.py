@@ -4,46 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from crossbow_mpi import Config, Trainer
-from crossbow_mpi.data import synthetic_dataset
+from crossbow_mpi import Trainer
 
+from helpers import BATCH, STEPS, datasets, mlp, mlp_bn_float64, run_config
 from reference import relative_error, sgd_reference, sma_reference
-
-STEPS = 20
-BATCH = 4
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.Tanh(), nn.Linear(16, 10))
-
-
-def mlp_bn_float64() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10)).double()
-
-
-def datasets(world_size: int, learners: int, steps: int = STEPS):
-    train = synthetic_dataset((1, 6, 6), 10, steps * world_size * learners * BATCH, seed=0)
-    test = synthetic_dataset((1, 6, 6), 10, 30, seed=1)
-    return train, test
-
-
-def run_config(tmp, **overrides) -> Config:
-    values = dict(
-        run_dir=str(tmp / "run"),
-        batch_size=BATCH,
-        epochs=1,
-        eval_every=0,
-        target_accuracy=0,
-        seed=7,
-        lr=0.05,
-        momentum=0.9,
-        weight_decay=0.001,
-    )
-    values.update(overrides)
-    return Config(**values)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -59,7 +25,9 @@ def test_ssgd_equals_single_process_sgd_with_the_aggregate_batch(comm, shared_tm
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners, fused_step", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize(
+    "learners, fused_step", [(1, False), (3, False), pytest.param(3, True, marks=pytest.mark.slow)]
+)
 def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, learners, fused_step):
     train, test = datasets(comm.size, learners)
     cfg = run_config(

@@ -4,20 +4,19 @@ test_omnivore)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
 import h5py
 import pytest
 import torch
-from test_eager import metrics_records, mlp_bn
-from test_omnivore import lockstep
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.control.omnivore_search import AUTO_ALGORITHMS
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from test_algorithms import STEPS, datasets, run_config
+from helpers import STEPS, datasets, lockstep, metrics_records, mlp_bn, run_config
 
 
 def auto_run(comm, shared_tmp, **overrides) -> tuple:
@@ -53,13 +52,14 @@ def test_auto_probes_every_algorithm_then_trains_to_the_end_with_the_best(comm, 
     assert threading.active_count() == threads, "the transports switched away from left no thread"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_auto_rechecks_every_algorithm_every_optimizer_epoch(comm, shared_tmp):
     _, records = auto_run(comm, shared_tmp, optimizer_epoch=1e-6, epochs=0.1)
     records = [r for r in records if r.get("event") == "optimizer"]
     decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
     assert [records[i]["decision"] for i in decisions[:2]] == ["choice", "retune"]
-    for before, after in zip(decisions, decisions[1:]):
+    for before, after in itertools.pairwise(decisions):
         current, probes = records[before], records[before + 1 : after]
         assert {p["algorithm"] for p in probes} == probed(comm)
         own = [p for p in probes if p["algorithm"] == current["algorithm"]]

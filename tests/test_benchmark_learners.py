@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 
 def test_learners_benchmark_quick_mode_writes_results(tmp_path):

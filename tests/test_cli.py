@@ -12,14 +12,34 @@ import pytest
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.train import build_parser, parse_config
 
-from conftest import MNIST_DIR, run_job
+from helpers import MNIST_DIR, run_job
 
-CONTRACT_FLAGS = (
-    "--algorithm --model --dataset --data-dir --learners --batch-size --lr --momentum "
-    "--weight-decay --alpha --central-momentum --lr-steps --lr-gamma --warmup-epochs --epochs "
-    "--target-accuracy --eval-every --device --threads --seed --run-dir --checkpoint-every "
-    "--resume --config"
-).split()
+CONTRACT_FLAGS = [
+    "--algorithm",
+    "--model",
+    "--dataset",
+    "--data-dir",
+    "--learners",
+    "--batch-size",
+    "--lr",
+    "--momentum",
+    "--weight-decay",
+    "--alpha",
+    "--central-momentum",
+    "--lr-steps",
+    "--lr-gamma",
+    "--warmup-epochs",
+    "--epochs",
+    "--target-accuracy",
+    "--eval-every",
+    "--device",
+    "--threads",
+    "--seed",
+    "--run-dir",
+    "--checkpoint-every",
+    "--resume",
+    "--config",
+]
 
 
 def test_help_documents_every_flag():
@@ -99,7 +119,7 @@ def file_in(tmp):
 @pytest.mark.parametrize("case", sorted(BAD_RUNS))
 def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     make_args, expected = BAD_RUNS[case]
-    args = ["--run-dir", str(tmp_path / "run")] + make_args(tmp_path)
+    args = ["--run-dir", str(tmp_path / "run"), *make_args(tmp_path)]
     started = time.monotonic()
     job = run_job(ranks, args, timeout=60)
     assert job.returncode == 2, job.stderr

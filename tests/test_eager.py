@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
@@ -19,30 +18,15 @@ from crossbow_mpi.config import EAGER_MODES, ConfigError
 from crossbow_mpi.train import parse_config
 from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
-from conftest import REPO
-from test_algorithms import BATCH, STEPS, datasets, run_config
+from helpers import BATCH, REPO, STEPS, datasets, evaluation_records, mlp_bn, run_config
 
 LATE_S = 0.1
 """How long the late rank sleeps before each arrival: far longer than a round among the others."""
 
 
-def mlp_bn() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 10))
-
-
 def same_on_every_rank(comm, array: np.ndarray) -> bool:
     gathered = comm.allgather_bytes(np.ascontiguousarray(array).tobytes())
     return all(g == gathered[0] for g in gathered)
-
-
-def metrics_records(comm, run_dir) -> list[dict]:
-    """Return every record of the run's metrics.jsonl (read on rank 0) on every rank."""
-    text = (run_dir / "metrics.jsonl").read_text() if comm.rank == 0 else None
-    return [json.loads(line) for line in comm.bcast_json(text).splitlines()]
-
-
-def evaluation_records(comm, run_dir) -> list[dict]:
-    return [record for record in metrics_records(comm, run_dir) if "test_accuracy" in record]
 
 
 @pytest.mark.mpi(min_size=1)

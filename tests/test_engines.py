@@ -18,7 +18,7 @@ from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
 
-from conftest import self_comm
+from helpers import self_comm
 from reference import relative_error, sma_reference
 
 
@@ -77,7 +77,7 @@ def test_a_step_learner_by_learner_then_sync_is_the_step_of_all_learners_at_once
             else:
                 step.step(0.1)
         states.append([central.z, central.u, *learners.state_dict().values()])
-    for at_once, by_learner in zip(*states):
+    for at_once, by_learner in zip(*states, strict=True):
         assert torch.equal(at_once, by_learner)
 
 
@@ -89,10 +89,10 @@ def test_prefetcher_gives_each_learner_its_sampler_batch(comm):
     prefetcher.prefetch(1, 0, 3, 4)
     batches = prefetcher.batches(1, 0, 3, 4)
     assert len(batches) == 3
-    for batch, row in zip(batches, sampler.indices(1, 0, 3, 4)):
+    for batch, row in zip(batches, sampler.indices(1, 0, 3, 4), strict=True):
         expected = to_device(fetch_batch(data, row), torch.device("cpu"), torch.float64)
         assert batch[0].dtype == torch.float64
-        assert all(torch.equal(a, b) for a, b in zip(batch, expected))
+        assert all(torch.equal(a, b) for a, b in zip(batch, expected, strict=True))
 
 
 @pytest.mark.mpi(min_size=1)

@@ -19,8 +19,7 @@ from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import evaluate_model
 
-from conftest import REPO, assert_user_error, run_job, run_tool, self_comm
-from test_algorithms import mlp_bn_float64
+from helpers import REPO, assert_user_error, mlp_bn_float64, run_job, run_tool, self_comm
 
 RUN = [
     "--dataset",

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, mpirun_command, run_job
+from helpers import REPO, mpirun_command, run_job
 
 RUN = [
     "--dataset",
@@ -48,7 +50,7 @@ def uninterrupted(tmp_path_factory):
 
 def start_job(run_dir, *extra):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    cmd = mpirun_command(2) + [sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir), *RUN, *extra]
+    cmd = [*mpirun_command(2), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir), *RUN, *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -124,7 +126,7 @@ def rank_pids(run_dir) -> dict[int, int]:
     ranks = {}
     for pid in map(int, pids):
         try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         for entry in environ:
@@ -149,10 +151,8 @@ def test_a_stopped_rank_is_named_and_the_job_aborts(tmp_path):
     finally:
         if victim is not None:
             for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, sig)
-                except ProcessLookupError:
-                    pass
         if job.poll() is None:
             job.kill()
             job.wait()

@@ -22,7 +22,7 @@ from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
 from crossbow_mpi.parallel.partition import param_cut, split_model
 from crossbow_mpi.parallel.pipeline import NcclLink, PipelineEngine, PipelineStage, StageLink, build_link
 
-from test_pipeline import deep_mlp, needs_stages
+from helpers import deep_mlp, needs_stages
 
 GPU = torch.device("cuda", 0)
 CUPY_13, CUPY_14 = "13.6.0", "14.2.0"
@@ -162,7 +162,7 @@ def test_without_cupy_auto_says_so_and_uses_mpi(comm, gpus, monkeypatch, capsys)
     gpus()
     monkeypatch.setitem(sys.modules, "cupy", None)
     monkeypatch.setitem(sys.modules, "cupy.cuda", None)
-    with pytest.raises(ConfigError, match="^--comm nccl: CuPy with NCCL is not installed"):
+    with pytest.raises(ConfigError, match=r"^--comm nccl: CuPy with NCCL is not installed"):
         build_communicator(comm.mpi_comm, "nccl", GPU)
     assert type(build_communicator(comm.mpi_comm, "auto", GPU)) is MpiCommunicator
     assert ("CuPy with NCCL is not installed" in capsys.readouterr().err) == (comm.rank == 0)

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.gpu_selftest import pytest_counts, verdict
 
-from conftest import REPO
+from helpers import REPO
 
 
 def pytest_run(ranks=1, select="not two_ranks", **changes) -> dict:

@@ -8,11 +8,10 @@ from types import SimpleNamespace
 import h5py
 import pytest
 import torch
-from test_eager import metrics_records
-from test_user_inputs import ALGORITHMS
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, ConfigError, Trainer
+from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import per_rank
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy, adapt
 from crossbow_mpi.data import synthetic_dataset
@@ -21,9 +20,8 @@ from crossbow_mpi.runtime import process
 from crossbow_mpi.train import parse_config
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from conftest import run_job
+from helpers import metrics_records, mlp, run_config, run_job
 from reference import relative_error, sgd_reference
-from test_algorithms import mlp, run_config
 
 STEPS = 12
 SIZES = (3, 5, 2, 6)
@@ -141,7 +139,7 @@ def test_ssgd_with_unequal_batches_equals_single_process_sgd_on_the_union_batch(
     model = sgd_reference(mlp, cfg, train.dataset, aggregate, STEPS)
     assert relative_error(result.central, parameters_to_vector(model.parameters())) < 1e-5
     training = [i for i in train.used if len(i) == sizes[comm.rank]][: STEPS * learners]
-    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    used = [i for rank in comm.allgather_json(torch.cat(training).tolist()) for i in rank]
     assert sorted(used) == list(range(STEPS * aggregate)), "every sample of the epoch once"
 
 
@@ -201,10 +199,11 @@ def test_adaptive_batch_changes_every_ranks_sizes_alike_during_a_run(comm, share
     assert (changes == []) == (comm.size == 1), changes
     assert all(4 <= b <= 32 for _, sizes in changes for b in sizes)
     training = [i for i in train.used if len(i) != 1][: result.iterations]
-    used = sum(comm.allgather_json(torch.cat(training).tolist()), [])
+    used = [i for rank in comm.allgather_json(torch.cat(training).tolist()) for i in rank]
     assert len(used) == len(set(used)) > 2000 - comm.size * 32, "no sample twice, the epoch used up to one step"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=2)
 def test_a_resumed_run_continues_the_adaptive_window_where_its_checkpoint_left_it(comm, shared_tmp):
     train = synthetic_dataset((1, 6, 6), 10, 2000, seed=0)

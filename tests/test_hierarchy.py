@@ -13,7 +13,7 @@ from crossbow_mpi.comm import MpiCommunicator, build_communicator
 from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
 from crossbow_mpi.config import ConfigError
 
-from test_algorithms import datasets, mlp, run_config
+from helpers import datasets, mlp, run_config
 
 
 def pairs(rank: int) -> int:
@@ -80,7 +80,7 @@ def test_auto_keeps_the_flat_sum_on_one_node_and_node_is_hierarchical(comm):
 
 
 def test_node_hierarchy_with_nccl_is_a_user_error():
-    from conftest import self_comm
+    from helpers import self_comm
 
     with pytest.raises(ConfigError, match="--hierarchy node sums over MPI"):
         build_communicator(self_comm().mpi_comm, "nccl", torch.device("cpu"), "node")

@@ -22,7 +22,7 @@ from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
 from crossbow_mpi.training.trainer import FitResult
 
-from conftest import self_comm
+from helpers import self_comm
 
 needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="no C++ compiler")
 
@@ -77,8 +77,8 @@ def test_the_fused_step_gives_the_bits_of_the_in_place_step(algorithm, dtype):
             "ssgd": {"fused_update"},
         }[algorithm]
     )
-    for name, in_place, fused_value in zip("abcde", step(False, dtype), step(True, dtype)):
-        assert torch.equal(fused_value, in_place), f"output {name} differs"
+    for index, (in_place, fused_value) in enumerate(zip(step(False, dtype), step(True, dtype), strict=True)):
+        assert torch.equal(fused_value, in_place), f"output {index} differs"
 
 
 @needs_compiler
@@ -126,7 +126,7 @@ def test_compiled_learners_train_to_the_same_accuracy_and_record_the_compile_sec
 def test_compile_without_a_compiler_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(ConfigError, match="--compile needs a C.. compiler"):
+    with pytest.raises(ConfigError, match=r"--compile needs a C\+\+ compiler"):
         Trainer(Config(compile=True, run_dir=str(tmp_path / "run")), self_comm())
 
 

@@ -16,7 +16,7 @@ import pytest
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.runtime import process
 
-from conftest import REPO, mpirun_command
+from helpers import REPO, mpirun_command
 
 SHORT_RUN = [
     "--dataset",
@@ -105,7 +105,7 @@ def test_a_world_other_than_the_launcher_started_is_refused(environ, named):
 def test_an_mpi_without_thread_multiple_is_refused_naming_the_cray_setting():
     MPI = process.mpi()
     process.check_thread_level(MPI.THREAD_MULTIPLE)
-    with pytest.raises(ConfigError, match="MPI_THREAD_SERIALIZED.*MPICH_MAX_THREAD_SAFETY=multiple"):
+    with pytest.raises(ConfigError, match=r"MPI_THREAD_SERIALIZED.*MPICH_MAX_THREAD_SAFETY=multiple"):
         process.check_thread_level(MPI.THREAD_SERIALIZED)
 
 
@@ -263,7 +263,7 @@ def run_slurm(batch_dir, ending: str, *args: str, scontrol: str = "", **extra_en
 
 
 def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record(batch_dir):
-    root, _, log = batch_dir
+    _, _, log = batch_dir
     job = run_slurm(batch_dir, "preempted", "--learners", "4")
     assert job.returncode == 137
     (srun, requeue) = calls(log)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 PACKAGE = REPO / "crossbow_mpi"
 LAYERS = {
@@ -78,9 +78,9 @@ def test_the_import_graph_has_no_cycle():
         state[node] = "open"
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                raise AssertionError("import cycle: " + " → ".join(path[path.index(target) :] + [target]))
+                raise AssertionError("import cycle: " + " → ".join([*path[path.index(target) :], target]))
             if target not in state:
-                visit(target, path + [target])
+                visit(target, [*path, target])
         state[node] = "done"
 
     for node in sorted(edges):

@@ -70,7 +70,7 @@ def test_deterministic_init_and_no_dropout(name, input_shape):
     a = build_model(name, input_shape, 10)
     torch.manual_seed(1)
     b = build_model(name, input_shape, 10)
-    for (key, value_a), value_b in zip(a.state_dict().items(), b.state_dict().values()):
+    for (key, value_a), value_b in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(value_a, value_b), key
     assert not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in a.modules())
 

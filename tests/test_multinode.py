@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 NODES = 2
 RANKS_PER_NODE = 2

@@ -3,13 +3,13 @@ starves, staleness statistics in every evaluation record, the server's state in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import h5py
 import pytest
 import torch
-from test_eager import evaluation_records, metrics_records, mlp_bn
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.comm.base import wait_sleeping
@@ -19,21 +19,22 @@ from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.rank_run import ROUND_STEPS
 from crossbow_mpi.transports.model_server import ModelServer
 
-from conftest import run_job
-from test_algorithms import BATCH, STEPS, datasets, run_config
-
-
-def divisors(size: int) -> list[int]:
-    return [groups for groups in range(1, size + 1) if size % groups == 0]
+from helpers import (
+    BATCH,
+    STEPS,
+    datasets,
+    divisors,
+    evaluation_records,
+    lockstep,
+    metrics_records,
+    mlp_bn,
+    run_config,
+    run_job,
+)
 
 
 def all_groups(comm) -> list[int]:
     return [groups for groups in divisors(comm.size) if groups > 1] or [1]
-
-
-def lockstep(comm, learners: int) -> int:
-    """Return the samples of one global step: as rounds, every group takes exactly one step in each."""
-    return comm.size * learners * BATCH
 
 
 @pytest.mark.mpi(min_size=1)
@@ -231,6 +232,7 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
     assert all(r["lr"] == choice["lr"] for r in evaluations)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_epoch(comm, shared_tmp):
     result, _, records = auto_run(
@@ -245,7 +247,7 @@ def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_
     records = [r for r in records if r.get("event") == "optimizer"]
     decisions = [i for i, r in enumerate(records) if r["decision"] != "probe"]
     assert [records[i]["decision"] for i in decisions] == ["choice"] + ["retune"] * (STEPS // 10)
-    for before, after in zip(decisions, decisions[1:]):
+    for before, after in itertools.pairwise(decisions):
         current, probes, decision = records[before], records[before + 1 : after], records[after]
         assert decision["probes"] == len(probes)
         groups, lr = current["groups"], current["lr"]

@@ -23,30 +23,18 @@ from crossbow_mpi.parallel.pipeline import ACTIVATION, Transfer, schedule_ops, s
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import evaluate_model
 
-from conftest import run_job, run_tool, self_comm
+from helpers import datasets as algorithm_datasets
+from helpers import deep_mlp, needs_stages, run_config, run_job, run_tool, self_comm
 from reference import relative_error, sgd_reference, sma_reference
-from test_algorithms import datasets as algorithm_datasets
-from test_algorithms import run_config
 
 STEPS = 12
 BATCH = 4
-
-
-def deep_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(36, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 12), nn.Linear(12, 10)
-    )
 
 
 def mlp_bn_float64() -> nn.Module:
     return nn.Sequential(
         nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 10)
     ).double()
-
-
-def needs_stages(comm, stages: int) -> None:
-    if comm.size % stages:
-        pytest.skip(f"{stages} stages do not divide {comm.size} ranks")
 
 
 def datasets(pipelines: int, learners: int):
@@ -112,7 +100,7 @@ def test_fit_result_holds_the_whole_model_that_evaluation_ran(comm, shared_tmp):
         inputs, targets = test.get_batch(torch.arange(len(test)))
         outputs = model(inputs)
     assert int((outputs.argmax(1) == targets).sum()) / len(test) == result.test_accuracy
-    records = [json.loads(line) for line in open(shared_tmp / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in (shared_tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     test_loss = [r["test_loss"] for r in records if "test_loss" in r][-1]
     assert float(F.cross_entropy(outputs, targets)) == pytest.approx(test_loss, rel=1e-5)
 
@@ -276,7 +264,7 @@ def test_schedules_progress_under_rendezvous_sends_and_1f1b_bounds_the_activatio
     deadlocks = play(one_by_one) != [len(order) for order in one_by_one]
     assert deadlocks == (schedule == "1f1b" and micro_batches > 1)
     if schedule == "1f1b":
-        for s, order in enumerate(orders):
+        for s in range(stages):
             held = peak = 0
             for op, _ in schedule_ops(schedule, s, stages, micro_batches):
                 held += 1 if op == "F" else -1

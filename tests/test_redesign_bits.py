@@ -16,7 +16,9 @@ from crossbow_mpi import Config, Trainer
 from crossbow_mpi.data import build_dataset
 from crossbow_mpi.models import build_model
 
-from conftest import MNIST_DIR
+from helpers import MNIST_DIR
+
+pytestmark = pytest.mark.slow
 
 REFERENCE_SHA256 = {
     "sma": "05e03d9a31ec96c513584cb5843262340cc58593076df109d70d071e1afc5d17",

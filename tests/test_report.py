@@ -9,8 +9,16 @@ import pytest
 from crossbow_mpi import Trainer
 from crossbow_mpi.report import draw, read_run
 
-from conftest import assert_user_error, run_job, run_tool, self_comm
-from test_snapshots import HalveLrAt, config, datasets, mlp
+from helpers import (
+    HalveLrAt,
+    assert_user_error,
+    run_job,
+    run_tool,
+    self_comm,
+    snapshot_config,
+    snapshot_datasets,
+    snapshot_mlp,
+)
 
 RUN = [
     "--dataset",
@@ -44,8 +52,10 @@ def runs(tmp_path_factory):
     }.items():
         job = run_job(2, ["--run-dir", str(base / name), *RUN, *extra], timeout=180)
         assert job.returncode == 0, job.stderr
-    train, test = datasets()
-    Trainer(config(base / "controlled", eval_every=160), self_comm()).fit(mlp, train, test, controllers=[HalveLrAt(5)])
+    train, test = snapshot_datasets()
+    Trainer(snapshot_config(base / "controlled", eval_every=160), self_comm()).fit(
+        snapshot_mlp, train, test, controllers=[HalveLrAt(5)]
+    )
     return [base / "auto", base / "eager", base / "controlled", base / "adaptive", base / "omnivore"]
 
 
@@ -62,7 +72,7 @@ def test_report_writes_a_png_and_a_summary_of_each_run(runs, tmp_path):
         last = [r for r in records(run_dir) if "test_accuracy" in r][-1]
         assert f"{run_dir.name}: " in done.stdout
         assert f"final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s" in done.stdout
-    summary = [r for r in records(runs[1]) if r.get("event") == "summary"][0]
+    summary = next(r for r in records(runs[1]) if r.get("event") == "summary")
     if summary["reached"]:
         assert f"target 45.00% reached in {summary['time_to_accuracy_s']:.1f} s" in done.stdout
     else:
@@ -77,7 +87,7 @@ def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
     assert [t.get_text() for t in figure.legends[0].get_texts()] == [run.label for run in loaded]
     assert any(title.startswith("eager-SGD") for title in titles)
     assert "2 rank(s) × auto learners" in loaded[0].label and "eager, solo" in loaded[1].label
-    panel = dict(zip(titles, figure.axes))
+    panel = dict(zip(titles, figure.axes, strict=True))
     learners = panel["Learners per rank"].lines[0].get_ydata()
     assert len(set(learners)) > 1, "the auto-tuner's changes are drawn"
     changes = panel["Learning rate and hyper-parameter changes"].texts
@@ -91,7 +101,7 @@ def test_every_panel_is_labelled_and_the_legend_names_each_run_once(runs):
     searched = [r for r in records(runs[4]) if r.get("event") == "optimizer"]
     probes = [r for r in searched if r["decision"] == "probe"]
     assert len(optimizer.lines) == len(searched), "one mark per probe, one line per decision"
-    choice = [r for r in searched if r["decision"] == "choice"][0]
+    choice = next(r for r in searched if r["decision"] == "choice")
     setting = f"{choice['groups']}/{choice['momentum']:g}/{choice['lr']:g}"
     assert any(t.get_text() == f"choice: g/μ/η {setting}" for t in optimizer.texts) and len(probes) >= 4
     assert not any(title.startswith("eager-SGD") for title in (ax.get_title() for ax in draw(loaded[:1]).axes))

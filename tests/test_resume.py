@@ -8,39 +8,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from crossbow_mpi import Config, Trainer
-from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.training.checkpoint import FORMAT_VERSION, list_checkpoints
 
-
-def model() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
-
-
-def config(run_dir, **overrides) -> Config:
-    values = dict(
-        run_dir=str(run_dir),
-        learners=2,
-        batch_size=4,
-        epochs=3,
-        eval_every=200,
-        target_accuracy=0,
-        checkpoint_every=7,
-        keep_checkpoints=20,
-        seed=11,
-        lr=0.05,
-        lr_steps=(2.0,),
-    )
-    values.update(overrides)
-    return Config(**values)
-
-
-def fit(comm, cfg):
-    train = synthetic_dataset((1, 6, 6), 10, 16 * 4 * 2 * comm.size, seed=2)
-    test = synthetic_dataset((1, 6, 6), 10, 50, seed=3)
-    return Trainer(cfg, comm).fit(model, train, test)
+from helpers import resume_config, resume_fit
 
 
 @pytest.mark.mpi(min_size=1)
@@ -48,17 +19,17 @@ def fit(comm, cfg):
 def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algorithm):
     # elastic with rounds of one global step: every rank takes exactly one step per round, so its bits are fixed
     rounds = {"round_samples": 2 * 4 * comm.size} if algorithm == "elastic" else {}
-    whole = fit(comm, config(shared_tmp / "whole", algorithm=algorithm, **rounds))
+    whole = resume_fit(comm, resume_config(shared_tmp / "whole", algorithm=algorithm, **rounds))
     assert whole.iterations == 48
 
     interrupted_dir = shared_tmp / "interrupted"
-    fit(comm, config(interrupted_dir, algorithm=algorithm, **rounds))
+    resume_fit(comm, resume_config(interrupted_dir, algorithm=algorithm, **rounds))
     if comm.rank == 0:
         for path in list_checkpoints(str(interrupted_dir)):
             if path.name > "checkpoint-000000021.h5":
                 path.unlink()
     comm.barrier()
-    resumed = fit(comm, config(interrupted_dir, algorithm=algorithm, resume=True, **rounds))
+    resumed = resume_fit(comm, resume_config(interrupted_dir, algorithm=algorithm, resume=True, **rounds))
     assert resumed.iterations == whole.iterations
     assert torch.equal(resumed.central, whole.central)
 
@@ -76,7 +47,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algor
 
 @pytest.mark.mpi(min_size=1)
 def test_checkpoint_layout(comm, shared_tmp):
-    result = fit(comm, config(shared_tmp, epochs=1, keep_checkpoints=2))
+    result = resume_fit(comm, resume_config(shared_tmp, epochs=1, keep_checkpoints=2))
     if comm.rank != 0:
         return
     paths = list_checkpoints(str(shared_tmp))

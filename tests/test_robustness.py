@@ -15,8 +15,7 @@ from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.checkpoint import CheckpointError, list_checkpoints
 
-from test_resume import config as resume_config
-from test_resume import fit
+from helpers import resume_config, resume_fit
 
 
 def config(run_dir, **overrides) -> Config:
@@ -25,9 +24,9 @@ def config(run_dir, **overrides) -> Config:
 
 @pytest.mark.mpi(min_size=1)
 def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, capsys):
-    whole = fit(comm, config(shared_tmp / "whole"))
+    whole = resume_fit(comm, config(shared_tmp / "whole"))
     run_dir = shared_tmp / "damaged"
-    fit(comm, config(run_dir))
+    resume_fit(comm, config(run_dir))
     if comm.rank == 0:
         paths = list_checkpoints(str(run_dir))
         assert [p.name for p in paths] == [
@@ -40,7 +39,7 @@ def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, caps
         paths[-2].write_bytes(data[: len(data) // 2])
         (run_dir / "checkpoint-000000031.h5.tmp").write_bytes(b"half written")
     comm.barrier()
-    resumed = fit(comm, config(run_dir, resume=True))
+    resumed = resume_fit(comm, config(run_dir, resume=True))
     assert torch.equal(resumed.central, whole.central)
     if comm.rank == 0:
         err = capsys.readouterr().err
@@ -49,19 +48,19 @@ def test_truncated_and_unfinished_checkpoints_are_skipped(comm, shared_tmp, caps
 
 @pytest.mark.mpi(min_size=1)
 def test_a_checkpoint_of_another_format_version_is_skipped_with_the_reason(comm, shared_tmp, capsys):
-    fit(comm, config(shared_tmp, epochs=1))
+    resume_fit(comm, config(shared_tmp, epochs=1))
     if comm.rank == 0:
         with h5py.File(list_checkpoints(str(shared_tmp))[-1], "r+") as f:
             f.attrs["format_version"] = 99
     comm.barrier()
-    fit(comm, config(shared_tmp, epochs=1, resume=True))
+    resume_fit(comm, config(shared_tmp, epochs=1, resume=True))
     if comm.rank == 0:
         assert "skipped checkpoint-000000016.h5: format version 99 (expected 2)" in capsys.readouterr().err
 
 
 @pytest.mark.mpi(min_size=1)
 def test_a_checkpoint_of_another_model_is_refused(comm, shared_tmp):
-    fit(comm, config(shared_tmp, epochs=1))
+    resume_fit(comm, config(shared_tmp, epochs=1))
     train = synthetic_dataset((1, 6, 6), 10, 96 * comm.size, seed=2)
     other = lambda: nn.Sequential(nn.Flatten(), nn.Linear(36, 10))  # noqa: E731
     with pytest.raises(ConfigError, match="holds a different model"):
@@ -75,7 +74,7 @@ def test_a_full_disk_stops_every_rank_with_one_line(comm, shared_tmp, monkeypatc
 
     monkeypatch.setattr(checkpoint, "_write", no_space)
     with pytest.raises(CheckpointError, match="No space left on device") as caught:
-        fit(comm, config(shared_tmp))
+        resume_fit(comm, config(shared_tmp))
     assert "\n" not in str(caught.value)
 
 

@@ -9,17 +9,23 @@ from collections import Counter
 
 import pytest
 import torch
-from test_eager import evaluation_records, metrics_records, mlp_bn
-from test_omnivore import divisors
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.comm.base import wait_sleeping
-from crossbow_mpi.data.datasets import ArrayDataset
 from crossbow_mpi.transports.model_server import ModelServer
 
-from conftest import run_job
+from helpers import (
+    BATCH,
+    STEPS,
+    datasets,
+    divisors,
+    metrics_records,
+    mlp_bn_float64,
+    rounds_run,
+    run_config,
+    run_job,
+)
 from reference import elastic_reference, relative_error
-from test_algorithms import BATCH, STEPS, datasets, mlp_bn_float64, run_config
 
 
 @pytest.mark.mpi(min_size=1)
@@ -60,42 +66,6 @@ def test_a_round_hands_out_every_position_once_and_applies_every_update_once(com
         if late_group:
             assert steps == 1, "the late group found its round taken"
         assert server.statistics()["async_updates"] == comm.allgather_json(steps)[:: comm.size // groups]
-
-
-class RecordingDataset(ArrayDataset):
-    """Record the indices of every batch of more than one sample (not the start's one-sample checks)."""
-
-    def __init__(self, dataset: ArrayDataset):
-        super().__init__(dataset.inputs, dataset.targets, num_classes=dataset.num_classes)
-        self.taken: list[int] = []
-
-    def get_batch(self, indices):
-        if len(indices) > 1:
-            self.taken += indices.tolist()
-        return super().get_batch(indices)
-
-
-def rounds_run(comm, shared_tmp, algorithm="hogbatch", **overrides):
-    """Train for one epoch, rank P-1 slower by 4 and the ranks' batch sizes unequal; return the result, every sample
-    index every rank took, the evaluation records, the training set's size and the largest batch size."""
-    train, test = datasets(comm.size, 2)
-    train = RecordingDataset(train)
-    slow = {"inject_imbalance": f"slow-rank:{comm.size - 1}:4"} if comm.size > 1 else {}
-    sizes = tuple(BATCH + 2 * (r % 2) for r in range(comm.size))
-    cfg = run_config(
-        shared_tmp,
-        algorithm=algorithm,
-        learners=1,
-        batch_size=sizes,
-        momentum=0.0,
-        eval_every=len(train) // 2,
-        round_samples=len(train) // 4,
-        **slow,
-        **overrides,
-    )
-    result = Trainer(cfg, comm).fit(mlp_bn, train, test)
-    taken = [index for rank in comm.allgather_json(train.taken) for index in rank]
-    return result, taken, evaluation_records(comm, shared_tmp / "run"), len(train), max(sizes)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -13,7 +13,7 @@ import pytest
 from crossbow_mpi.data import DataError, load_cifar10
 from crossbow_mpi.data.prepare import prepare
 
-from conftest import REPO
+from helpers import REPO
 
 UNSAFE_CALLS = re.compile(
     r"\bpickle\b|\bcPickle\b|torch\.load\(|allow_pickle\s*=\s*True|\bmarshal\b|\bshelve\b"
@@ -76,11 +76,11 @@ def test_prepared_cifar_is_verified_before_use(tmp_path):
     assert len(load_cifar10(directory.parent, train=True)) == 15
     corrupted = directory / "test_batch.bin"
     corrupted.write_bytes(cifar_records(2, 3))
-    with pytest.raises(DataError, match="test_batch.bin"):
+    with pytest.raises(DataError, match=r"test_batch\.bin"):
         load_cifar10(directory.parent, train=False)
 
 
 def test_an_archive_without_the_dataset_files_is_refused(tmp_path):
     archive = write_archive(tmp_path / "other.tar.gz", [("cifar-10-batches-bin/readme.html", b"hi")])
-    with pytest.raises(DataError, match="lacks data_batch_1.bin"):
+    with pytest.raises(DataError, match=r"lacks data_batch_1\.bin"):
         prepare("cifar10", archive, tmp_path / "out")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 FAKE_PYTHON = """#!{real}
 import json, os, subprocess, sys
@@ -77,7 +77,7 @@ def pip_installs(log: Path) -> list[list[str]]:
 
 
 def test_an_old_python_stops_before_anything_is_installed(tmp_path, machine):
-    env, log = machine
+    env, _ = machine
     old = tmp_path / "python3.10"
     executable(old, f'echo "$*" >> {tmp_path / "old.log"}; echo 3.10')
     venv = tmp_path / "fresh"

@@ -10,22 +10,14 @@ import shutil
 import h5py
 import pytest
 import torch
-from torch import nn
 
-from crossbow_mpi import Config, ConfigError, Trainer
-from crossbow_mpi.data import ArrayDataset, synthetic_dataset
+from crossbow_mpi import ConfigError, Trainer
+from crossbow_mpi.data import ArrayDataset
 from crossbow_mpi.training.checkpoint import checkpoint_path, list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.records import MetricsLog, Progress
 
-BATCH = 4
-SAMPLES = 768
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(36, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10)
-    )
+from helpers import BATCH, SNAPSHOT_SAMPLES, HalveLrAt, snapshot_config, snapshot_datasets, snapshot_mlp
 
 
 class RecordingDataset(ArrayDataset):
@@ -42,32 +34,6 @@ class RecordingDataset(ArrayDataset):
         return super().get_batch(indices)
 
 
-def datasets():
-    data = synthetic_dataset((1, 6, 6), 10, SAMPLES + 200, seed=2)
-    train = ArrayDataset(data.inputs[:SAMPLES], data.targets[:SAMPLES], num_classes=10)
-    test = ArrayDataset(data.inputs[SAMPLES:], data.targets[SAMPLES:], num_classes=10)
-    return train, test
-
-
-def config(run_dir, **overrides) -> Config:
-    values = dict(
-        run_dir=str(run_dir),
-        learners=2,
-        batch_size=BATCH,
-        epochs=1,
-        eval_every=0,
-        target_accuracy=0,
-        checkpoint_every=0,
-        keep_checkpoints=20,
-        seed=3,
-        lr=0.05,
-        threads=1,
-        engine="sequential",
-    )
-    values.update(overrides)
-    return Config(**values)
-
-
 def state_bits(run) -> list[torch.Tensor]:
     return [run.central.z.clone(), run.central.u.clone(), *run.learners.state_dict().values()]
 
@@ -75,8 +41,8 @@ def state_bits(run) -> list[torch.Tensor]:
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
 def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm):
-    train, _ = datasets()
-    run = Trainer(config(shared_tmp, algorithm=algorithm), comm).start(mlp, train)
+    train, _ = snapshot_datasets()
+    run = Trainer(snapshot_config(shared_tmp, algorithm=algorithm), comm).start(snapshot_mlp, train)
     for _ in range(3):
         run.train_step(0.05)
     snapshot = run.state_dict()
@@ -87,29 +53,19 @@ def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm)
             run.train_step(0.05)
         runs.append((state_bits(run), run.state.to_dict(), torch.rand(3)))
     (first, first_state, first_rng), (second, second_state, second_rng) = runs
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert first_state == second_state and first_state["iteration"] == 23
     assert torch.equal(first_rng, second_rng)
     assert not torch.equal(first[0], snapshot["central"]["z"]), "the 20 steps changed nothing"
 
 
-class HalveLrAt:
-    """A controller that halves the learning rate and sets momentum 0.5 once, at an iteration."""
-
-    def __init__(self, iteration: int):
-        self.iteration = iteration
-
-    def __call__(self, run, step):
-        if run.state.iteration == self.iteration:
-            return {"lr": run.hp.lr / 2, "momentum": 0.5}
-        return None
-
-
 @pytest.mark.mpi(min_size=1)
 def test_a_controller_changes_hyperparameters_which_are_recorded_and_checkpointed(comm, shared_tmp):
-    train, test = datasets()
-    plain = Trainer(config(shared_tmp / "plain"), comm).fit(mlp, train, test)
-    controlled = Trainer(config(shared_tmp / "controlled"), comm).fit(mlp, train, test, controllers=[HalveLrAt(5)])
+    train, test = snapshot_datasets()
+    plain = Trainer(snapshot_config(shared_tmp / "plain"), comm).fit(snapshot_mlp, train, test)
+    controlled = Trainer(snapshot_config(shared_tmp / "controlled"), comm).fit(
+        snapshot_mlp, train, test, controllers=[HalveLrAt(5)]
+    )
     assert not torch.equal(plain.central, controlled.central)
     if comm.rank == 0:
         records = [json.loads(line) for line in (shared_tmp / "controlled" / "metrics.jsonl").read_text().splitlines()]
@@ -125,8 +81,8 @@ def test_a_controller_changes_hyperparameters_which_are_recorded_and_checkpointe
         with h5py.File(list_checkpoints(str(shared_tmp / "controlled"))[-1]) as f:
             assert json.loads(f["ranks/0"].attrs["hyperparams"])["lr"] == 0.025
     comm.barrier()
-    unchanged = Trainer(config(shared_tmp / "unchanged"), comm).fit(
-        mlp, train, test, controllers=[lambda run, step: {"lr": 0.05}]
+    unchanged = Trainer(snapshot_config(shared_tmp / "unchanged"), comm).fit(
+        snapshot_mlp, train, test, controllers=[lambda run, step: {"lr": 0.05}]
     )
     assert torch.equal(plain.central, unchanged.central)
 
@@ -138,9 +94,9 @@ def test_a_checkpoint_of_format_1_stops_with_one_line_naming_the_format(comm, sh
             f.attrs["format_version"] = 1
             f.attrs["complete"] = True
     comm.barrier()
-    train, test = datasets()
+    train, test = snapshot_datasets()
     with pytest.raises(ConfigError, match=r"no valid checkpoint .*format version 1 \(expected 2\)") as caught:
-        Trainer(config(shared_tmp, resume=True), comm).fit(mlp, train, test)
+        Trainer(snapshot_config(shared_tmp, resume=True), comm).fit(snapshot_mlp, train, test)
     assert "\n" not in str(caught.value)
 
 
@@ -150,7 +106,7 @@ CHECKPOINT_AT = 20
 
 def restore(scope, cfg, train):
     """Build a run on `scope` and restore the newest checkpoint into it, as `fit` does."""
-    run = Trainer(cfg, scope).start(mlp, train)
+    run = Trainer(cfg, scope).start(snapshot_mlp, train)
     metrics, progress = MetricsLog(cfg.run_dir, False), Progress(0, False)
     tuning = Tuning(cfg, scope, run, torch.device("cpu"), 1, metrics, progress)
     Checkpoints(cfg, scope, tuning, Controllers([], metrics)).restore(run)
@@ -161,15 +117,15 @@ def restore(scope, cfg, train):
 @pytest.mark.parametrize("ranks, learners", [(1, 2), (4, 2), (2, 3), (2, 1)])
 def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, learners):
     """Train at -n 2, k = 2 to a checkpoint, then resume on `ranks` ranks with `learners` learners each."""
-    train, test = datasets()
+    train, test = snapshot_datasets()
     first = comm.split(comm.rank < 2, comm.rank)
     before = RecordingDataset(train)
     origin = shared_tmp / "origin"
-    epochs = CHECKPOINT_AT * 2 * 2 * BATCH / SAMPLES
+    epochs = CHECKPOINT_AT * 2 * 2 * BATCH / SNAPSHOT_SAMPLES
     taken_before = None
     if comm.rank < 2:
-        Trainer(config(origin, epochs=epochs), first).fit(mlp, before, test)
-        taken_before = sum(first.allgather_json(before.taken), [])
+        Trainer(snapshot_config(origin, epochs=epochs), first).fit(snapshot_mlp, before, test)
+        taken_before = [i for rank in first.allgather_json(before.taken) for i in rank]
     taken_before = comm.bcast_json(taken_before)
     run_dir = shared_tmp / "resumed"
     if comm.rank == 0:
@@ -177,7 +133,7 @@ def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, le
     comm.barrier()
     scope = comm.split(comm.rank < ranks, comm.rank)
     if comm.rank < ranks:
-        cfg = config(run_dir, learners=learners, resume=True)
+        cfg = snapshot_config(run_dir, learners=learners, resume=True)
         run = restore(scope, cfg, train)
         saved = checkpoint_path(str(origin), CHECKPOINT_AT)
         with h5py.File(saved) as f:
@@ -193,15 +149,17 @@ def test_resume_reshards_to_other_ranks_and_learners(comm, shared_tmp, ranks, le
                 assert torch.equal(weights[j], z) and not run.learners.momentum[j].any()
 
         after = RecordingDataset(train)
-        Trainer(cfg, scope).fit(mlp, after, test)
-        epoch = taken_before + sum(scope.allgather_json(after.taken), [])
+        Trainer(cfg, scope).fit(snapshot_mlp, after, test)
+        epoch = taken_before + [i for rank in scope.allgather_json(after.taken) for i in rank]
         assert len(epoch) == len(set(epoch)), "a sample was trained on twice in the epoch"
-        assert SAMPLES - len(epoch) < ranks * learners * BATCH, "samples of the epoch were skipped"
+        assert SNAPSHOT_SAMPLES - len(epoch) < ranks * learners * BATCH, "samples of the epoch were skipped"
 
-        reaching = config(shared_tmp / f"reach-{ranks}-{learners}", learners=learners, epochs=6, target_accuracy=0.45)
+        reaching = snapshot_config(
+            shared_tmp / f"reach-{ranks}-{learners}", learners=learners, epochs=6, target_accuracy=0.45
+        )
         if scope.rank == 0:
             shutil.copytree(origin, reaching.run_dir)
         scope.barrier()
-        result = Trainer(dataclasses.replace(reaching, resume=True), scope).fit(mlp, train, test)
+        result = Trainer(dataclasses.replace(reaching, resume=True), scope).fit(snapshot_mlp, train, test)
         assert result.reached and result.iterations > CHECKPOINT_AT
     comm.barrier()

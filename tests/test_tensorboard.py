@@ -11,8 +11,7 @@ import pytest
 from crossbow_mpi import Trainer
 from crossbow_mpi.training.records import TENSORBOARD_DIR
 
-from conftest import run_job
-from test_snapshots import config, datasets, mlp
+from helpers import run_job, snapshot_config, snapshot_datasets, snapshot_mlp
 
 SCALARS = ("test_accuracy", "test_loss", "train_loss", "samples_per_s", "learners", "lr", "epoch", "time_s")
 
@@ -38,9 +37,9 @@ def test_without_the_package_the_run_stops_at_start_with_one_line(tmp_path, monk
 @pytest.mark.mpi(min_size=1)
 def test_evaluation_records_are_written_as_scalars(comm, shared_tmp):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    train, test = datasets()
+    train, test = snapshot_datasets()
     run_dir = shared_tmp / "run"
-    Trainer(config(run_dir, eval_every=160, tensorboard=True), comm).fit(mlp, train, test)
+    Trainer(snapshot_config(run_dir, eval_every=160, tensorboard=True), comm).fit(snapshot_mlp, train, test)
     if comm.rank == 0:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evaluations = [r for r in records if "event" not in r]

@@ -5,9 +5,10 @@ import math
 from crossbow_mpi.control.learner_tuner import Memory, Policy, decide
 
 PLENTY = Memory(used=1e9, cap=1e12, per_learner=1e6)
+POLICY = Policy(threshold=0.1, max_learners=8)
 
 
-def settle(throughput_at, memory_at=lambda k: PLENTY, policy=Policy(threshold=0.1, max_learners=8)):
+def settle(throughput_at, memory_at=lambda k: PLENTY, policy=POLICY):
     """Drive the policy like the tuner does; return the decisions and the final number of learners."""
     learners, baseline, decisions = 1, None, []
     for _ in range(50):

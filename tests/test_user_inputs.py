@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from test_eager import metrics_records
 from torch import nn
 from torch.nn.utils import vector_to_parameters
 from torch.utils.data import Dataset
@@ -22,7 +21,7 @@ from crossbow_mpi.data import DataError, synthetic_dataset
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.train import parse_config
 
-from conftest import REPO, mpirun_command, run_job
+from helpers import REPO, metrics_records, mpirun_command, run_job
 
 ALGORITHMS = ["sma", "ssgd", "eager"]
 
@@ -125,9 +124,9 @@ def test_bad_numbers_exit_2_with_one_line(tmp_path, case):
 
 
 def test_fetch_batch_names_the_sample_that_does_not_fit():
-    with pytest.raises(DataError, match="sample 5 of the dataset Items has shape \\(1, 5, 6\\), sample 0 has "):
+    with pytest.raises(DataError, match=r"sample 5 of the dataset Items has shape \(1, 5, 6\), sample 0 has "):
         fetch_batch(items(replace={5: (torch.zeros(1, 5, 6), 1)}), torch.tensor([0, 5]))
-    with pytest.raises(DataError, match="sample 0 of the dataset Items has label 2.5 .*integer class indices"):
+    with pytest.raises(DataError, match=r"sample 0 of the dataset Items has label 2\.5 .*integer class indices"):
         fetch_batch(items(replace={0: (torch.zeros(1, 6, 6), 2.5)}), torch.tensor([0, 1]))
     inputs, targets = fetch_batch(items(), torch.tensor([3, 4]))
     assert targets.dtype == torch.int64 and inputs.shape == (2, 1, 6, 6)
@@ -270,7 +269,7 @@ def test_an_exception_on_one_rank_ends_an_api_job_with_its_traceback(tmp_path):
     )
     started = time.monotonic()
     job = subprocess.run(
-        mpirun_command(2) + [sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
+        [*mpirun_command(2), sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env
     )
     assert job.returncode != 0
     assert "[rank 1] Traceback" in job.stderr and "RuntimeError: a bad sample on rank 1" in job.stderr, job.stderr

@@ -11,8 +11,8 @@ from crossbow_mpi import ConfigError, Trainer
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 
+from helpers import BATCH, STEPS, datasets, run_config
 from reference import relative_error, sgd_reference
-from test_algorithms import BATCH, STEPS, datasets, run_config
 
 FEATURES = 36
 
@@ -107,7 +107,7 @@ def test_non_float_buffers_are_learner_0s_on_every_learner_and_z(comm, shared_tm
             Trainer(cfg, comm).fit(recording(Counting, instances), train, test)
         return
     result = Trainer(cfg, comm).fit(recording(Counting, instances), train, test)
-    central, *learners = instances
+    _central, *learners = instances
     assert len(learners) == 3
     for module in instances:
         assert int(module.passes) == result.iterations

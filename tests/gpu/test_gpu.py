@@ -210,8 +210,8 @@ def test_ssgd_and_eager_on_streams_agree_with_sequential_on_gpu(comm, shared_tmp
 def test_mixed_devices_with_unequal_batches_train_like_single_process_sgd(comm, shared_tmp):
     from torch.nn.utils import parameters_to_vector
 
+    from helpers import mlp
     from reference import sgd_reference
-    from test_algorithms import mlp
 
     sizes, steps = (8, 2, 2, 2)[: comm.size], 10
     train = synthetic_dataset((1, 6, 6), 10, steps * sum(sizes), seed=0)
@@ -233,8 +233,7 @@ def test_mixed_devices_with_unequal_batches_train_like_single_process_sgd(comm, 
 def test_mixed_devices_hogbatch_takes_every_sample_once(comm, shared_tmp, adaptive):
     """A GPU rank beside CPU ranks (`--device mixed`): Hogbatch, and Adaptive Hogbatch, run to the end of the epoch
     with every rank making updates and no sample taken twice."""
-    from test_eager import metrics_records
-    from test_rounds import rounds_run
+    from helpers import metrics_records, rounds_run
 
     extra = {"adaptive_batch": True, "adapt_every": 1, "batch_min": 2} if adaptive else {}
     result, taken, records, num_samples, largest = rounds_run(comm, shared_tmp, device="mixed", **extra)
