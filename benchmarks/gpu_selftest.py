@@ -36,7 +36,7 @@ import torch
 
 from benchmarks import harness, learners
 from crossbow_mpi.train import EXIT_PREEMPTED
-from tests.conftest import mpirun_command
+from tests.helpers import mpirun_command
 
 THROUGHPUT = {
     "model": "resnet32",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import mpirun_command, world  # noqa: F401  mpirun_command: benchmarks/gpu_selftest.py imports it from here
+from helpers import world
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 README_LIMIT = 16 * 1024
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_user_error, mpirun_command, run_job, run_tool
+from helpers import REPO, assert_user_error, mpirun_command, run_job, run_tool
 
 TRAIN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.02", "--threads", "1"]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from crossbow_mpi import plan
-from crossbow_mpi.planner import perf_model
+from crossbow_mpi.planner import measure, perf_model
 from crossbow_mpi.planner.perf_model import EpochCurve, Network, Workload
 
 from helpers import REPO
@@ -172,7 +172,7 @@ def test_the_efficiency_file_gives_the_ssgd_runs_that_reached_the_target(tmp_pat
 def test_the_repositorys_efficiency_file_that_cannot_be_fitted_yet_gives_the_default(tmp_path, monkeypatch):
     one = {"rows": [{"phase": "grid", "algorithm": "ssgd", "aggregate": 16, "epochs": 3.0}]}
     (tmp_path / "partial.json").write_text(json.dumps(one))
-    monkeypatch.setattr(plan, "EFFICIENCY_FILE", tmp_path / "partial.json")
+    monkeypatch.setattr(measure, "EFFICIENCY_FILE", tmp_path / "partial.json")
     curve, source = plan.epoch_curve(None)
     assert curve == perf_model.DEFAULT_EPOCHS and source.startswith("default (E(B) needs")
     with pytest.raises(ValueError, match=r"E\(B\) needs"):  # a file the user names must fit
@@ -225,9 +225,9 @@ def test_a_validation_row_projects_from_the_median_runs_and_keeps_each_step():
 
 def test_validation_runs_the_sizes_in_rounds_and_the_overhead_in_pairs(monkeypatch):
     trained, steps = [], iter([0.05, 0.03, 0.04, 0.07, 0.02, 0.01, 0.05, 0.06])
-    monkeypatch.setattr(plan, "measure_workload", lambda *_: workload())
-    monkeypatch.setattr(plan, "sweep_allreduce", lambda *_, **__: FREE)
-    monkeypatch.setattr(plan, "train_step_s", lambda _, n, m, __: trained.append((n, m)) or next(steps))
+    monkeypatch.setattr(measure, "measure_workload", lambda *_: workload())
+    monkeypatch.setattr(measure, "sweep_allreduce", lambda *_, **__: FREE)
+    monkeypatch.setattr(measure, "train_step_s", lambda _, n, m, __: trained.append((n, m)) or next(steps))
     args = plan.build_parser().parse_args(["--validate"])
     rows = plan.validate(args, workload(), reps=2)
     # (4, 4) does not run: the workload has no 4 stages

@@ -6,7 +6,7 @@ import json
 
 from benchmarks.harness import repo_path
 
-from conftest import REPO
+from helpers import REPO
 
 
 def strings(value):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpirun_command, run_job
+from helpers import REPO, mpirun_command, run_job
 
 RUN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--threads", "1", "--learners", "2"]
 RUN += ["--eval-every", "1000", "--target-accuracy", "0"]
