@@ -15,7 +15,7 @@ fi
 # shellcheck source=/dev/null  # the venv is made above
 source "${CROSSBOW_VENV:-$root/.venv}/bin/activate"
 cd "$root"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 NO_MKDOCS_2_WARNING=1
 per_run_timeout=${CROSSBOW_TEST_TIMEOUT:-600}
 oversubscribe=()
 mpirun --version 2>/dev/null | grep -q "Open MPI" && oversubscribe=(--oversubscribe)
