@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import mpirun_command, world  # noqa: F401  mpirun_command: benchmarks/gpu_selftest.py imports it from here
+try:
+    from helpers import mpirun_command, world
+except ModuleNotFoundError:  # imported as tests.conftest outside pytest (benchmarks/gpu_selftest.py)
+    from tests.helpers import mpirun_command, world
+
+__all__ = ["mpirun_command"]
 
 
 @pytest.hookimpl(hookwrapper=True)
