@@ -115,8 +115,7 @@ def file_in(tmp):
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(BAD_RUNS))
 def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     make_args, expected = BAD_RUNS[case]
