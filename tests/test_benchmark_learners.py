@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
+
+pytestmark = pytest.mark.slow
 
 
 def test_learners_benchmark_quick_mode_writes_results(tmp_path):

@@ -69,6 +69,7 @@ RECORD_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", COLUMNS)
 def test_quick_mode_writes_results(name, tmp_path):
     done = subprocess.run(

@@ -115,7 +115,7 @@ def file_in(tmp):
     return path
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", sorted(BAD_RUNS))
 def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     make_args, expected = BAD_RUNS[case]
@@ -130,6 +130,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, ranks, case):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_existing_run_dir_is_not_overwritten(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -139,6 +140,7 @@ def test_existing_run_dir_is_not_overwritten(tmp_path):
     assert (run_dir / "checkpoint-000000005.h5").read_bytes() == b"precious"
 
 
+@pytest.mark.slow
 def test_default_run_reaches_99_percent_on_two_ranks(tmp_path):
     run_dir = tmp_path / "default"
     job = run_job(2, ["--run-dir", str(run_dir)], timeout=900)

@@ -141,6 +141,7 @@ def test_eager_flags():
     assert (cfg.algorithm, cfg.eager_mode, cfg.eager_sync_every) == ("eager", "majority", 8)
 
 
+@pytest.mark.slow
 def test_eager_benchmark_quick_mode_writes_results(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.eager", "--quick", "--out", str(tmp_path)],

@@ -48,6 +48,7 @@ def trained(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(trained, tmp_path):
     out = tmp_path / "model.safetensors"
     done = run_tool("crossbow_mpi.export", str(trained), "--out", str(out))
@@ -62,6 +63,7 @@ def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(
     assert accuracy == last["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_an_older_checkpoint_exports_its_own_z(trained, tmp_path):
     older = trained / "checkpoint-000000100.h5"
     out = tmp_path / "older.safetensors"
@@ -107,6 +109,7 @@ ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(ERRORS))
 def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
     done = run_tool("crossbow_mpi.export", *damaged_run(trained, tmp_path, case))

@@ -17,6 +17,8 @@ import pytest
 
 from helpers import REPO, mpirun_command, run_job
 
+pytestmark = pytest.mark.slow
+
 RUN = [
     "--dataset",
     "synthetic-mnist",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +58,7 @@ def test_random_cifar_files(tmp_path_factory, data):
     one_line_or_success(load_cifar10, directory, False)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     text=st.one_of(

@@ -59,6 +59,7 @@ def test_a_per_rank_list_of_the_wrong_length_is_a_config_error():
         per_rank(Config(batch_size=(1, 2, 3)), "batch_size", 4)
 
 
+@pytest.mark.slow
 def test_a_per_rank_list_of_the_wrong_length_exits_2_with_one_line(tmp_path):
     args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--batch-size", "8,8,8"]
     job = run_job(2, args, timeout=90)

@@ -59,6 +59,7 @@ def summary(run_dir: Path) -> dict:
 # --- the MPI world against what the launcher started ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_processes_that_did_not_join_one_job_stop_with_one_line(tmp_path):
     # What plain `srun` does with Open MPI 5: every task starts as a one-rank job of its own.
     job = subprocess.run(
@@ -169,6 +170,7 @@ def restricted_run(tmp_path: Path, name: str, threads: str) -> tuple[subprocess.
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=clean_env()), run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
 def test_threads_follow_the_ranks_binding(tmp_path):
     # Open MPI does not bind when told to oversubscribe; taskset restricts the rank to one core instead.
@@ -373,6 +375,7 @@ def test_pbs_signals_mpirun_before_the_walltime_and_submits_again(batch_dir):
     assert qsub == ["qsub", "-V", "-v", "CROSSBOW_RUN_DIR=runs/pbs-7", "launch/pbs.sh"]
 
 
+@pytest.mark.slow
 def test_pbs_with_open_mpis_mpirun_checkpoints_before_the_walltime(batch_dir):
     # The real mpirun forwards the SIGUSR1 that the script's timeout sends it; the ranks checkpoint, and the
     # script reads their real record. Only the placement flags are dropped (this machine is not 2 x 8 GPUs).

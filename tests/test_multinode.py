@@ -16,6 +16,8 @@ import pytest
 
 from helpers import REPO
 
+pytestmark = pytest.mark.slow
+
 NODES = 2
 RANKS_PER_NODE = 2
 SCRIPT = REPO / "launch" / "netns_nodes.sh"

@@ -173,6 +173,7 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
         assert algorithm == {"version": 2 * groups * STEPS + STEPS, "updates": updates}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks, args, message",
     [

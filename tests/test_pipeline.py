@@ -228,6 +228,7 @@ class _NotSequential(nn.Module):
         return self.fc(x.flatten(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks,args,message",
     [
@@ -326,6 +327,7 @@ def lenet_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(lenet_run):
     with h5py.File(list_checkpoints(str(lenet_run))[-1]) as f:
         assert f.attrs["pipeline_stages"] == 2 and "central" not in f and len(json.loads(f.attrs["pipeline_cut"])) == 1
@@ -335,6 +337,7 @@ def test_cli_trains_a_built_in_model_in_stages_and_checkpoints_each_stage(lenet_
     assert sum(sizes) == sum(p.numel() for p in lenet.parameters())
 
 
+@pytest.mark.slow
 def test_export_of_a_pipeline_run_writes_the_whole_model(lenet_run, tmp_path):
     out = tmp_path / "model.safetensors"
     done = run_tool("crossbow_mpi.export", str(lenet_run), "--out", str(out))

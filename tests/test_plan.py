@@ -246,6 +246,7 @@ def run_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -264,6 +265,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_quick_plan_projects_validates_and_plots(tmp_path):
     network = ("--bandwidth", "100", "--latency", "1")
     done = run_plan("--quick", "--validate", "--cut", "time", *network, "--out", str(tmp_path))
@@ -283,6 +285,7 @@ def test_quick_plan_projects_validates_and_plots(tmp_path):
     assert projected["workload"]["cut"] == "time" and projected["workload"]["stages"] == record["workload"]["stages"]
 
 
+@pytest.mark.slow
 def test_measured_efficiency_is_a_results_file_that_the_plan_fits(tmp_path):
     done = run_plan(
         *("--quick", "--measure-efficiency", "--model", "mlp", "--dataset", "synthetic-mnist"),

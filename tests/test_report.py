@@ -20,6 +20,8 @@ from helpers import (
     snapshot_mlp,
 )
 
+pytestmark = pytest.mark.slow
+
 RUN = [
     "--dataset",
     "synthetic-mnist",

@@ -114,6 +114,7 @@ def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_
     assert all(g == gathered[0] for g in gathered), "the ranks' z differ after the merge"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["hogbatch", "elastic"])
 def test_learners_auto_exits_2_with_one_line(tmp_path, algorithm):
     args = ["--run-dir", str(tmp_path / "run"), "--dataset", "synthetic-mnist", "--algorithm", algorithm]

@@ -129,6 +129,7 @@ def resolved(report: Path) -> dict[str, str]:
     return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
+@pytest.mark.slow
 def test_without_a_gpu_torch_comes_from_the_cpu_index_and_pulls_no_cuda(tmp_path, machine, cpu_index):
     env, log = machine
     job = setup(env, CROSSBOW_TORCH_CPU_INDEX=cpu_index, FAKE_REPORT=str(tmp_path / "report.json"))
@@ -141,6 +142,7 @@ def test_without_a_gpu_torch_comes_from_the_cpu_index_and_pulls_no_cuda(tmp_path
     assert installs[1] == ["-e", f"{REPO}[test,mpi]"]
 
 
+@pytest.mark.slow
 def test_without_a_gpu_or_the_cpu_index_torch_comes_as_pip_is_configured(tmp_path, machine):
     env, log = machine
     job = setup(env, CROSSBOW_TORCH_CPU_INDEX="http://127.0.0.1:9/whl/cpu", FAKE_REPORT=str(tmp_path / "r.json"))

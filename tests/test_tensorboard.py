@@ -16,6 +16,7 @@ from helpers import run_job, snapshot_config, snapshot_datasets, snapshot_mlp
 SCALARS = ("test_accuracy", "test_loss", "train_loss", "samples_per_s", "learners", "lr", "epoch", "time_s")
 
 
+@pytest.mark.slow
 def test_without_the_package_the_run_stops_at_start_with_one_line(tmp_path, monkeypatch):
     blocker = tmp_path / "site" / "tensorboard"
     blocker.mkdir(parents=True)

@@ -257,6 +257,7 @@ FAILING_RANK_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_an_api_job_with_its_traceback(tmp_path):
     script = tmp_path / "user.py"
     script.write_text(textwrap.dedent(FAILING_RANK_SCRIPT.format(run_dir=str(tmp_path / "run"))))
