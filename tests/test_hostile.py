@@ -168,7 +168,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
+FAST = ("resume with another model", "export onto the newest checkpoint", "--lr 1e308")
+"""The cases `tests/run.sh --fast` keeps (with the planner's, which refuse in a tenth of a second)."""
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=[] if name in FAST or name.startswith("plan") else [pytest.mark.slow]) for name in CASES],
+)
 def test_a_refused_command_says_one_line_and_changes_nothing(trained, tmp_path, name):
     case = CASES[name]
     run = tmp_path / "run"
@@ -184,6 +191,7 @@ def test_a_refused_command_says_one_line_and_changes_nothing(trained, tmp_path, 
     assert digest(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_report_writes_exactly_the_file_it_names(trained, tmp_path):
     out = tmp_path / "report"
     done = run_tool("crossbow_mpi.report", str(trained), "--out", str(out))
@@ -223,6 +231,7 @@ API_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", API_CASES)
 def test_api_misuse_is_one_config_error_on_every_rank(tmp_path, case):
     script = tmp_path / "misuse.py"
@@ -233,6 +242,7 @@ def test_api_misuse_is_one_config_error_on_every_rank(tmp_path, case):
     assert len(errors) == 2 and all(API_CASES[case] in line for line in errors), done.stdout
 
 
+@pytest.mark.slow
 def test_a_trainer_made_on_one_rank_only_stops_within_the_collective_timeout(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text(
@@ -249,6 +259,7 @@ def test_a_trainer_made_on_one_rank_only_stops_within_the_collective_timeout(tmp
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["sma", "hogbatch"])
 def test_a_divergence_names_the_cause_the_fix_and_what_was_kept(tmp_path, algorithm):
     run = tmp_path / "run"
@@ -273,6 +284,7 @@ def test_resuming_with_other_pipeline_stages_says_so_and_changes_nothing(tmp_pat
     assert digest(run) == before
 
 
+@pytest.mark.slow
 def test_a_round_larger_than_the_run_stops_at_its_epochs(tmp_path):
     run = tmp_path / "run"
     args = ["--run-dir", str(run), *TRAIN, "--algorithm", "hogbatch", "--round-samples", "1000000000000"]
@@ -281,6 +293,7 @@ def test_a_round_larger_than_the_run_stops_at_its_epochs(tmp_path):
     assert "after 0.02 epochs" in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--fused-step", "--compile"])
 def test_a_compiler_that_cannot_compile_is_no_compiler(tmp_path, monkeypatch, flag):
     monkeypatch.setenv("CXX", "/bin/false")
@@ -318,6 +331,7 @@ Trainer(config).fit(lambda: nn.Linear(16, 2), train, test)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["training", "test"])
 def test_a_label_outside_the_classes_found_mid_run_is_one_line(tmp_path, role):
     script = tmp_path / "bad_label.py"
@@ -342,6 +356,7 @@ def test_labels_held_as_targets_are_all_checked_at_start():
         check_samples(nn.Linear(16, 2), torch.float32, data, "training set")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_on_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
     run = tmp_path / "run"
     command = [*mpirun_command(1), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run), *TRAIN]
