@@ -127,7 +127,11 @@ class Config:
     alpha: float = 0.1
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
-    """SMA: momentum μ_z of the central model's updates."""
+    """SMA: momentum μ_z of the central model's updates; applied only while the learners' `momentum` is above 0,
+    as CROSSBOW's released code does (`synch/sma.c`), unless `central_momentum_always`."""
+    central_momentum_always: bool = False
+    """SMA: apply `central_momentum` also when the learners' `momentum` is 0 (CROSSBOW applies it only with learner
+    momentum)."""
     merge_momentum: float = 0.0
     """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
     step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""

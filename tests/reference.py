@@ -66,7 +66,8 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
             c = cfg.alpha * (w - z[:n])
             corrections.append(c)
             states[(r, j)] = torch.cat([w + velocity[(r, j)] - c, after_forward[n:]])
-        dz = torch.stack(corrections).sum(0) + cfg.central_momentum * u
+        central_momentum = cfg.central_momentum if cfg.momentum > 0 or cfg.central_momentum_always else 0.0
+        dz = torch.stack(corrections).sum(0) + central_momentum * u
         u = dz
         z = torch.cat([z[:n] + dz, torch.stack([s[n:] for s in states.values()]).mean(0)])
         offset += k * world_size * cfg.batch_size

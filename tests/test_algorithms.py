@@ -41,6 +41,20 @@ def test_sma_matches_float64_reference_of_crossbow_equations(comm, shared_tmp, l
     assert relative_error(result.central[num_params:], reference[num_params:]) < 1e-6, "BatchNorm statistics"
 
 
+@pytest.mark.mpi(min_size=1)
+def test_sma_without_learner_momentum_moves_z_without_central_momentum_as_crossbow_does(comm, shared_tmp):
+    train, test = datasets(comm.size, 2)
+    results = {}
+    for always in (False, True):
+        cfg = run_config(
+            shared_tmp / str(always), algorithm="sma", learners=2, momentum=0.0, central_momentum_always=always
+        )
+        results[always] = Trainer(cfg, comm).fit(mlp_bn_float64, train, test).central
+        reference = sma_reference(mlp_bn_float64, cfg, train, comm.size, [2] * STEPS)
+        assert relative_error(results[always], reference) < 1e-6
+    assert relative_error(results[False], results[True]) > 1e-3
+
+
 @pytest.mark.mpi(min_size=2)
 def test_all_ranks_hold_the_same_central_model(comm, shared_tmp):
     train, test = datasets(comm.size, 2)

@@ -4,6 +4,8 @@ Learner j, every iteration (`local_step`, the learner's own):
     g = ∇ℓ(w_j) + λ w_j;  v_j ← μ v_j − η g;  c_j = α (w_j − z);  w_j ← w_j + v_j − c_j
 Sync, every iteration:
     Δz = Σ_ranks Σ_j c_j;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz
+    (μ_z = 0 while the learners' μ is 0, as CROSSBOW's synch/sma.c applies its central momentum only when the
+    model's momentum is above 0; `--central-momentum-always` applies it regardless)
 At a learning-rate drop every learner is reset to z.
 
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
@@ -40,12 +42,13 @@ class SynchronousModelAveraging(Algorithm):
         w.add_(v).sub_(corrections)
 
     def sync(self, lr: float) -> None:
-        central = self.central
+        central, hp = self.central, self.hp
         dz, _ = self.allreduce_staged()
+        central_momentum = hp.central_momentum if hp.momentum > 0 or hp.central_momentum_always else 0.0
         if self.fused_central is not None:
-            self.fused_central(dz, central.params, central.u, self.hp.central_momentum)
+            self.fused_central(dz, central.params, central.u, central_momentum)
             return
-        dz.add_(central.u, alpha=self.hp.central_momentum)
+        dz.add_(central.u, alpha=central_momentum)
         central.u.copy_(dz)
         central.params.add_(dz)
 

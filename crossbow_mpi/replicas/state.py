@@ -80,11 +80,13 @@ class HyperParams(_Serialised):
     alpha: float
     """SMA: fraction of each learner's difference to z moved per sync."""
     central_momentum: float
-    """SMA: momentum μ_z of the central model's updates."""
+    """SMA: momentum μ_z of the central model's updates (see `central_momentum_always`)."""
     merge_momentum: float
     """elastic: momentum μ_z of the central model's step to each round's merged model."""
     batch_size: int | tuple[int, ...]
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
+    central_momentum_always: bool = False
+    """SMA: apply μ_z also when the learners' μ is 0 (CROSSBOW applies it only with learner momentum)."""
 
     @classmethod
     def from_config(cls, config) -> HyperParams:
