@@ -160,13 +160,17 @@ class ControlChannel:
         self.mpi_comm.Free()
 
 
-def wait_sleeping(requests: list) -> None:
+def wait_sleeping(requests: list, timeout: float | None = None) -> bool:
     """Complete MPI requests, sleeping between tests instead of spinning: MPI's blocking waits spin and would take
-    a core from the threads still computing."""
-    poll = POLL_MIN_S
+    a core from the threads still computing. With `timeout`, give up after that many seconds; return whether they
+    completed."""
+    poll, deadline = POLL_MIN_S, None if timeout is None else time.monotonic() + timeout
     while not Communicator.mpi().Request.Testall(requests):
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         time.sleep(poll)
         poll = min(2 * poll, POLL_MAX_S)
+    return True
 
 
 class StopAgreement:

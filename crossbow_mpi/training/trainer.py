@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
+from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config, ConfigError, per_rank, values
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy
@@ -92,19 +92,14 @@ def agree(comm: Communicator, check: Callable[[], object]):
 def rendezvous(world: Communicator, timeout: float, where: str) -> None:
     """Wait until every rank has reached `where` (collective). When one has not within `timeout` seconds (0, or
     not a positive number: wait for ever), say so in one line and abort the job instead of hanging."""
-    request = world.mpi_comm.Ibarrier()
     limited = isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0
-    deadline, poll = time.monotonic() + (timeout if limited else 0), 0.001
-    while not request.Test():
-        if limited and time.monotonic() > deadline:
-            sys.stderr.write(
-                f"crossbow_mpi: error: rank {world.rank} waited {timeout:g} s (--collective-timeout) in {where} for "
-                "ranks that never came: call it on every rank of the job\n"
-            )
-            sys.stderr.flush()
-            world.mpi().COMM_WORLD.Abort(2)
-        time.sleep(poll)
-        poll = min(2 * poll, 0.05)
+    if not wait_sleeping([world.mpi_comm.Ibarrier()], timeout if limited else None):
+        sys.stderr.write(
+            f"crossbow_mpi: error: rank {world.rank} waited {timeout:g} s (--collective-timeout) in {where} for "
+            "ranks that never came: call it on every rank of the job\n"
+        )
+        sys.stderr.flush()
+        world.mpi().COMM_WORLD.Abort(2)
 
 
 class Trainer:
