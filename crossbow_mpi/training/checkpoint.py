@@ -56,6 +56,11 @@ def checkpoint_path(run_dir: str, iteration: int) -> Path:
     return Path(run_dir) / f"checkpoint-{iteration:09d}.h5"
 
 
+def temporary(path: Path) -> Path:
+    """Where a checkpoint is written before it is renamed to `path`, complete."""
+    return path.with_name(path.name + ".tmp")
+
+
 def central_group(stage: int, stages: int) -> str:
     """Return the group that holds a stage's shard of the central model."""
     return "central" if stages == 1 else f"stages/{stage}/central"
@@ -97,7 +102,7 @@ def save(
             _write(path, snapshot, train, _on_root(gathered), stage_centrals, config_json, layout_signature, cut)
             _prune(run_dir, keep)
         except (OSError, RuntimeError) as err:  # h5py on a full disk: an OSError, then a RuntimeError at close
-            path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            temporary(path).unlink(missing_ok=True)
             error = f"cannot write checkpoint {path}: {_reason(err)}"
     error = world.bcast_json(error)
     if error:
@@ -133,7 +138,7 @@ def _write(
     cut: list[int] | None,
 ) -> None:
     dtype, stages = snapshot["central"]["z"].cpu().numpy().dtype, len(centrals[0])
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary(path)
     with h5py.File(tmp, "w") as f:
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["config"] = config_json
