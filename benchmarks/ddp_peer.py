@@ -201,7 +201,7 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
     return {
         "event": "summary",
         "reached": time_to_accuracy is not None,
-        "time_to_accuracy_s": time_to_accuracy,
+        "time_to_target_s": time_to_accuracy,
         "time_limited": time_limited,
         "target_accuracy": args.target_accuracy,
         "final_test_accuracy": record["test_accuracy"],

@@ -314,7 +314,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
     asynchronous = [record["async_updates"] for record in evaluations if "async_updates" in record]
     return {
         "reached": summary["reached"],
-        "tta_s": summary["time_to_accuracy_s"],
+        "tta_s": summary["time_to_target_s"],
         "epochs": summary["epochs"] if summary["reached"] else None,
         "epochs_run": summary["epochs"],
         "final_accuracy": summary["final_test_accuracy"],

@@ -3,6 +3,9 @@ trained model z (parameters and float buffers; a pipeline run's stages joined in
 `state_dict` in safetensors format (plain tensors and a JSON header), to load with
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+
+A tied weight is written once, under its first name; the header's `tied` metadata maps each name left out to the
+name it is tied to, and `load_state_dict(..., strict=False)` loads such a model (the tie restores the rest).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     if problem:
         raise ConfigError(f"{path}: {problem}")
     shards, signature = checkpoint.read_central(path)
-    module = build_model(config.model, *dataset_shape(config.dataset))
+    module = build_model(config.model, *dataset_shape(config.dataset, config.seq_len), config.model_args)
     cut = checkpoint.read_cut(path)
     stages = stage_modules(module, len(shards), cut)
     layouts = [FlatLayout(stage) for stage in stages]
@@ -80,8 +83,17 @@ def export(run_dir: str, out: str, checkpoint_file: str | None = None) -> tuple[
     """Write the run's model as a safetensors state_dict to `out`; return the checkpoint used and the tensor count."""
     checkpoint.refuse_overwrite(out)
     module, config, path = load_model(run_dir, checkpoint_file)
-    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
+    tensors, tied = {}, {}
+    first_name: dict[int, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        kept = first_name.setdefault(id(tensor), name)
+        if kept == name:
+            tensors[name] = tensor.detach().contiguous()
+        else:
+            tied[name] = kept  # a tied weight (tinygpt's output layer) is written once, under its first name
     metadata = {"model": config.model, "dataset": config.dataset, "checkpoint": path.name}
+    if tied:
+        metadata["tied"] = json.dumps(tied)
     try:
         Path(out).write_bytes(save(tensors, metadata=metadata))
     except OSError as err:

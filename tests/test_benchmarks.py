@@ -124,7 +124,7 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
             {
                 "event": "summary",
                 "reached": True,
-                "time_to_accuracy_s": 5.0,
+                "time_to_target_s": 5.0,
                 "epochs": 1.0,
                 "final_test_accuracy": 0.99,
             },
