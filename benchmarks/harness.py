@@ -318,6 +318,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "epochs": summary["epochs"] if summary["reached"] else None,
         "epochs_run": summary["epochs"],
         "final_accuracy": summary["final_test_accuracy"],
+        "final_loss": summary.get("final_test_loss"),
         "time_limited": summary.get("time_limited", False),
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),

@@ -36,6 +36,7 @@ COLUMNS = {
         "fraction",
     },
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
+    "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
         "imbalance",
