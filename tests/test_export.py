@@ -127,7 +127,8 @@ def test_dataset_shape_matches_the_loaded_dataset(name):
 
 
 def test_every_dataset_has_a_shape():
-    assert sorted(SHAPES) == dataset_names()
+    assert sorted([*SHAPES, "text"]) == dataset_names()  # text's shape follows --seq-len
+    assert dataset_shape("text", seq_len=32) == ((32,), 256)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -76,7 +76,7 @@ def test_deterministic_init_and_no_dropout(name, input_shape):
 
 
 def test_unknown_model():
-    assert model_names() == ["lenet", "mlp", "resnet32"]
+    assert model_names() == ["lenet", "mlp", "resnet32", "tinygpt"]
     with pytest.raises(ValueError) as excinfo:
         build_model("vgg", (3, 32, 32), 10)
     message = str(excinfo.value)
