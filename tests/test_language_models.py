@@ -99,6 +99,7 @@ def test_accuracy_is_per_sample_or_per_token_and_absent_for_other_shapes():
     assert hits(scores[:, 0], torch.tensor([1])).tolist() == [True]
     assert hits(scores, torch.tensor([1])) is None
     assert hits(scores[:, 0], torch.tensor([[0.5, 0.5]])) is None
+    assert hits((scores,), torch.tensor([[1, 1]])) is None  # a tuple output without an output_fn
 
 
 def test_with_the_users_loss_the_start_up_check_asks_only_for_a_finite_number():

@@ -205,14 +205,12 @@ def evaluate_model(
     return record
 
 
-def hits(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+def hits(scores: object, targets: torch.Tensor) -> torch.Tensor | None:
     """Return whether each arg-max class is the label: per sample for scores [B, C] and labels [B], per token for
-    scores [B, T, V] and labels [B, T]; None for other shapes (no accuracy)."""
-    if targets.is_floating_point() or scores.dim() != targets.dim() + 1 or scores.dim() not in (2, 3):
+    scores [B, T, V] and labels [B, T]; None for other shapes or an output that is not a tensor (no accuracy)."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() not in (2, 3) or targets.is_floating_point():
         return None
-    if scores.shape[:-1] != targets.shape:
-        return None
-    return scores.argmax(-1) == targets
+    return scores.argmax(-1) == targets if scores.shape[:-1] == targets.shape else None
 
 
 class Tuning:
