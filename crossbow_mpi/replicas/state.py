@@ -11,12 +11,11 @@ class _Serialised:
     """Dataclasses that are written to checkpoints field by field and read back refusing unknown fields."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    RENAMED: ClassVar[dict[str, str]] = {}
+    """Old field name → new, for checkpoints written before a rename."""
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    RENAMED: ClassVar[dict[str, str]] = {}
-    """Old field name → new, for checkpoints written before a rename."""
 
     @classmethod
     def from_dict(cls, values: dict):
