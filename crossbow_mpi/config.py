@@ -18,6 +18,10 @@ PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine")
+ROUND_ALGORITHMS = ("omnivore", "hogbatch", "auto")
+"""The algorithms without `--optimizer adamw` and `--clip-grad-norm` (their steps are the model server's)."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
@@ -57,6 +61,8 @@ NON_NEGATIVE = (
     "collective_timeout",
     "round_samples",
     "optimizer_epoch",
+    "clip_grad_norm",
+    "warmup_steps",
 )
 """Fields that must not be negative (every per-rank value)."""
 
@@ -123,7 +129,19 @@ class Config:
     momentum: float = 0.9
     """Momentum μ of each learner (SMA) or of the central model (S-SGD)."""
     weight_decay: float = 0.0005
-    """L2 coefficient λ added to every gradient."""
+    """With `sgd`: L2 coefficient λ added to every gradient; with `adamw`: AdamW's decoupled weight decay."""
+    optimizer: str = "sgd"
+    """What steps the weights (crossbow_mpi.replicas.optimizers): `sgd` (each algorithm's momentum SGD equations) or
+    `adamw` (torch.optim.AdamW: z's for S-SGD and eager, each learner's local step for SMA and elastic)."""
+    beta1: float = 0.9
+    """With `adamw`: decay of the gradient's running mean, in [0, 1)."""
+    beta2: float = 0.999
+    """With `adamw`: decay of the squared gradient's running mean, in [0, 1)."""
+    eps: float = 1e-8
+    """With `adamw`: term added to the denominator, positive."""
+    clip_grad_norm: float = 0.0
+    """Scale a gradient whose L2 norm exceeds this down to it (0: no clipping): S-SGD and eager the averaged
+    gradient of every rank (after the allreduce), SMA and elastic each learner's own."""
     alpha: float = 0.1
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
@@ -152,8 +170,15 @@ class Config:
     """`omnivore`, `hogbatch`, `elastic` (its merge interval): samples per round. Within a round every rank steps
     at its own pace on the batches handed out to it; the ranks meet between rounds, where stop signals,
     evaluations and checkpoints take effect (an iteration is one round). 0: 32 global steps' samples."""
+    lr_schedule: str = "step"
+    """Learning-rate schedule after warm-up: `step` (drops by `lr_gamma` at `lr_steps`; none: constant), `constant`,
+    or `cosine` (from `lr` to 0 over `epochs`)."""
+    warmup_steps: int = 0
+    """Iterations of linear learning-rate warm-up from lr/warmup_steps to lr (an iteration is a round for the
+    asynchronous algorithms); not with `warmup_epochs`."""
     lr_steps: tuple[float, ...] = ()
-    """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
+    """With `lr_schedule` step: epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to
+    z there)."""
     lr_gamma: float = 0.1
     """Factor applied to the learning rate at each of `lr_steps`."""
     warmup_epochs: float = 0.0
@@ -229,6 +254,7 @@ class Config:
         self._validate_signs()
         self._validate_batches()
         self._validate_training()
+        self._validate_recipe()
 
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -257,6 +283,8 @@ class Config:
             "eager_mode": EAGER_MODES,
             "schedule": SCHEDULES,
             "cut": CUTS,
+            "optimizer": OPTIMIZERS,
+            "lr_schedule": LR_SCHEDULES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -325,6 +353,19 @@ class Config:
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
 
+    def _validate_recipe(self) -> None:
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"--beta1 and --beta2 must be in [0, 1), got {self.beta1} and {self.beta2}")
+        if not self.eps > 0:
+            raise ConfigError(f"--eps must be positive, got {self.eps}")
+        if self.lr_steps and self.lr_schedule != "step":
+            raise ConfigError(f"--lr-steps applies to --lr-schedule step, not {self.lr_schedule}")
+        if self.warmup_steps and self.warmup_epochs:
+            raise ConfigError("--warmup-steps and --warmup-epochs cannot be combined: choose one")
+        recipe = [f for f in ("optimizer", "clip_grad_norm") if getattr(self, f) not in ("sgd", 0.0)]
+        if recipe:
+            refuse_recipe(self, f"--{_flag(recipe[0])} {getattr(self, recipe[0])}")
+
     def _validate_groups(self) -> None:
         if self.groups == "auto" and self.learners == "auto":
             raise ConfigError("--groups auto and --learners auto cannot be combined: fix one of them")
@@ -354,6 +395,16 @@ class Config:
                 raise ConfigError(f"unknown config key {key!r}")
             kwargs[name] = coerce(known[name], value)
         return cls(**kwargs)
+
+
+def refuse_recipe(config: Config, what: str) -> None:
+    """Raise ConfigError where `what` (an optimizer other than momentum SGD, or clipping) is not supported."""
+    if config.algorithm in ROUND_ALGORITHMS:
+        raise ConfigError(f"{what} applies to --algorithm sma, ssgd, eager and elastic, not {config.algorithm}")
+    if config.learners == "auto":
+        raise ConfigError(f"{what} needs a fixed number of --learners, not auto")
+    if config.pipeline_stages > 1:
+        raise ConfigError(f"{what} does not apply to --pipeline-stages")
 
 
 def values(value) -> tuple:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,22 +76,22 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
     return z
 
 
-def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int) -> nn.Module:
-    """Return model_fn() trained by torch.optim.SGD for `steps` steps of `aggregate` samples, in the harness's data
-    order (the first epoch's permutation); frozen parameters stay as model_fn() made them."""
+def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int, optimizer_fn=None) -> nn.Module:
+    """Return model_fn() trained by torch.optim.SGD (or `optimizer_fn(params)`, clipping the gradient's norm to
+    `cfg.clip_grad_norm` where set) for `steps` steps of `aggregate` samples, in the harness's data order (the first
+    epoch's permutation); frozen parameters stay as model_fn() made them."""
     torch.manual_seed(cfg.seed)
     model = model_fn()
-    optimizer = torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    sgd = functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = (optimizer_fn or sgd)(params)
     order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
     for step in range(steps):
         inputs, targets = train.get_batch(order[step * aggregate : (step + 1) * aggregate])
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
+        if cfg.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
         optimizer.step()
     return model
 

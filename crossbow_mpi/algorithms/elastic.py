@@ -5,6 +5,8 @@ each rank made (normalised merging).
 Learner j of rank i, every local step (its own batch of b_i samples, taken from the round as soon as the rank is
 free; its step size scaled linearly with its batch size, as the paper's code does):
     g = ∇ℓ(w_j) + λ w_j;  η_i = η b_i / mean_q b_q;  v_j ← μ v_j − η_i g;  w_j ← w_j + v_j
+    (with `--clip-grad-norm`, ∇ℓ(w_j) clipped first, as SMA's; with another optimizer than sgd,
+    w_j ← learner j's optimizer step of w_j with ∇ℓ(w_j) and learning rate η_i)
 At the round's end (every `--round-samples` samples), with u_i the local steps rank i took in the round:
     p_i = u_i / Σ_q u_q                                  (normalised merging)
     m = Σ_i p_i (1/k) Σ_j w_j                            (z's BatchNorm buffers: the same mean of the learners')
@@ -21,6 +23,7 @@ import torch
 
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.optimizers import clip_rows
 from crossbow_mpi.replicas.state import HyperParams
 from crossbow_mpi.transports.model_server import ModelServer
 
@@ -45,6 +48,11 @@ class ElasticAveraging(RoundsAlgorithm):
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners = self.hp, self.learners
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
+        if hp.clip_grad_norm:
+            clip_rows(g, hp.clip_grad_norm)
+        if learners.optimizers is not None:
+            learners.optimizers.step(rows, g, lr * self.lr_scale)
+            return
         g.add_(w, alpha=hp.weight_decay)
         v.mul_(hp.momentum).sub_(g, alpha=lr * self.lr_scale)
         w.add_(v)

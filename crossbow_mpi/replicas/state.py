@@ -87,6 +87,8 @@ class HyperParams(_Serialised):
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
     central_momentum_always: bool = False
     """SMA: apply μ_z also when the learners' μ is 0 (CROSSBOW applies it only with learner momentum)."""
+    clip_grad_norm: float = 0.0
+    """Largest L2 norm of a gradient an update takes (0: no clipping)."""
 
     @classmethod
     def from_config(cls, config) -> HyperParams:

@@ -1,0 +1,147 @@
+"""The optimizer recipe: AdamW (or any torch.optim optimizer) for what each algorithm steps, its state in checkpoints
+and resharded on resume, gradient clipping, learning-rate schedules."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import h5py
+import pytest
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from crossbow_mpi import Config, Trainer
+from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.config import ConfigError
+from crossbow_mpi.control.lr_schedule import learning_rate
+from crossbow_mpi.replicas.optimizers import RowOptimizers, adamw, clip_rows
+from crossbow_mpi.training.checkpoint import list_checkpoints
+
+from helpers import BATCH, STEPS, datasets, mlp, resume_config, resume_fit, run_config
+from reference import relative_error, sgd_reference
+
+ADAMW = dict(optimizer="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, lr=0.01)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("learners, clip", [(1, 0.0), (2, 0.3)])
+def test_ssgd_with_adamw_equals_single_process_adamw_on_the_union_batch(comm, shared_tmp, learners, clip):
+    train, test = datasets(comm.size, learners)
+    cfg = run_config(shared_tmp, algorithm="ssgd", learners=learners, clip_grad_norm=clip, **ADAMW)
+    result = Trainer(cfg, comm).fit(mlp, train, test)
+    assert result.iterations == STEPS
+
+    reference = functools.partial(
+        torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    model = sgd_reference(mlp, cfg, train, learners * comm.size * BATCH, STEPS, optimizer_fn=reference)
+    expected = parameters_to_vector(model.parameters())
+    assert relative_error(result.central, expected) < 1e-5
+    initial = sgd_reference(mlp, cfg, train, 0, 0)
+    assert relative_error(result.central, parameters_to_vector(initial.parameters())) > 1e-3, "it trained"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sma_with_an_optimizer_fn_steps_each_learner_and_clips_per_learner(comm, shared_tmp):
+    train, test = datasets(comm.size, 2)
+    results = {}
+    for name, optimizer_fn, clip in (("sgd", None, 0.0), ("adamw", adamw(0.9, 0.999, 1e-8, 0.0), 0.5)):
+        cfg = run_config(shared_tmp / name, algorithm="sma", learners=2, lr=0.01, clip_grad_norm=clip)
+        results[name] = Trainer(cfg, comm).fit(mlp, train, test, optimizer_fn=optimizer_fn).central
+    assert relative_error(results["adamw"], results["sgd"]) > 1e-3, "AdamW's steps are not momentum SGD's"
+    assert torch.isfinite(results["adamw"]).all()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["ssgd", "sma"])
+def test_resume_with_adamw_is_bit_identical_and_stores_the_optimizer_state(comm, shared_tmp, algorithm):
+    recipe = dict(algorithm=algorithm, optimizer="adamw", lr=0.005, clip_grad_norm=1.0)
+    whole = resume_fit(comm, resume_config(shared_tmp / "whole", **recipe))
+    interrupted = shared_tmp / "interrupted"
+    resume_fit(comm, resume_config(interrupted, **recipe))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted)):
+            if path.name > "checkpoint-000000021.h5":
+                path.unlink()
+    comm.barrier()
+    resumed = resume_fit(comm, resume_config(interrupted, resume=True, **recipe))
+    assert torch.equal(resumed.central, whole.central)
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(str(interrupted))[-1]) as f:
+            group = "central/optimizer" if algorithm == "ssgd" else "ranks/0/optimizer"
+            assert sorted(f[group]) == ["exp_avg", "exp_avg_sq", "step"]
+            rows = () if algorithm == "ssgd" else (2,)
+            assert f[f"{group}/step"].shape == rows and (f[f"{group}/step"][...] == 48).all()
+            assert f[f"{group}/exp_avg_sq"].shape == (*rows, f["central/u"].shape[0])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resume_reshards_the_learners_optimizer_state_to_another_k(comm, shared_tmp):
+    recipe = dict(algorithm="sma", optimizer="adamw", lr=0.005)
+    resume_fit(comm, resume_config(shared_tmp, epochs=1, **recipe))
+    resume_fit(comm, resume_config(shared_tmp, epochs=2, learners=3, resume=True, **recipe))
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(str(shared_tmp))[-1]) as f:
+            steps = f["ranks/0/optimizer/step"][...].tolist()
+    # epoch 1: 16 steps of 2 learners; epoch 2: 10 steps of 3 (128 samples per rank, 12 per step)
+    assert comm.rank != 0 or steps == [26, 26, 10], "two learners kept their state, the new one started afresh"
+
+
+def test_row_optimizers_step_each_row_as_torch_adamw_and_keep_their_state_in_matrices():
+    torch.manual_seed(0)
+    weights, grads = torch.randn(3, 5), torch.randn(4, 3, 5)
+    rows = RowOptimizers(adamw(0.9, 0.99, 1e-8, 0.1), weights)
+    reference = [torch.nn.Parameter(w.clone()) for w in weights]
+    torch_adamw = torch.optim.AdamW(reference, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for g in grads:
+        rows.step(slice(None), g, 0.1)
+        for p, row in zip(reference, g, strict=True):
+            p.grad = row.clone()
+        torch_adamw.step()
+    assert torch.equal(weights, torch.stack([p.detach() for p in reference]))
+    assert torch.equal(rows.state["exp_avg"], torch.stack([torch_adamw.state[p]["exp_avg"] for p in reference]))
+
+    saved = rows.state_dict()
+    fewer = RowOptimizers(adamw(0.9, 0.99, 1e-8, 0.1), torch.zeros(2, 5))
+    fewer.load_state_dict(saved)
+    assert torch.equal(fewer.state["exp_avg_sq"], saved["exp_avg_sq"][:2]) and fewer.state["step"].tolist() == [4, 4]
+
+
+def test_clip_rows_scales_each_row_as_clip_grad_norm_does():
+    grads = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+    clip_rows(grads, 1.0)
+    assert torch.allclose(grads, torch.tensor([[0.6, 0.8], [0.3, 0.4]]), atol=1e-6)
+
+
+def test_lr_schedules_warm_up_by_steps_and_decay_by_cosine():
+    cosine = Config(lr_schedule="cosine", epochs=4.0, warmup_steps=10)
+    assert learning_rate(1.0, cosine, 0.0, 0)[0] == pytest.approx(0.1)
+    assert learning_rate(1.0, cosine, 0.0, 10)[0] == 1.0
+    assert learning_rate(1.0, cosine, 2.0, 100)[0] == pytest.approx(0.5)
+    assert learning_rate(1.0, cosine, 4.0, 100)[0] == pytest.approx(0.0, abs=1e-12)
+    assert learning_rate(1.0, Config(lr_schedule="constant"), 3.0, 100) == (1.0, 0)
+    assert learning_rate(1.0, Config(lr_steps=(1.0,)), 3.0, 100)[0] == pytest.approx(0.1)
+    assert math.isclose(learning_rate(2.0, Config(lr_schedule="cosine", epochs=3.0), 1.0)[0], 1.5)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(optimizer="adamw", beta1=1.0), "--beta1 and --beta2 must be in [0, 1)"),
+        (dict(optimizer="adamw", beta2=-0.1), "--beta1 and --beta2 must be in [0, 1)"),
+        (dict(eps=0.0), "--eps must be positive"),
+        (dict(optimizer="adam"), "--optimizer: unknown value 'adam'"),
+        (dict(lr_schedule="cosine", lr_steps=(1.0,)), "--lr-steps applies to --lr-schedule step, not cosine"),
+        (dict(warmup_steps=5, warmup_epochs=1.0), "--warmup-steps and --warmup-epochs cannot be combined"),
+        (dict(clip_grad_norm=-1.0), "--clip-grad-norm must not be negative"),
+        (dict(optimizer="adamw", algorithm="hogbatch"), "--optimizer adamw applies to --algorithm sma, ssgd"),
+        (dict(clip_grad_norm=1.0, algorithm="omnivore"), "--clip-grad-norm 1.0 applies to --algorithm sma"),
+        (dict(optimizer="adamw", learners="auto"), "--optimizer adamw needs a fixed number of --learners"),
+        (dict(optimizer="adamw", pipeline_stages=2), "--optimizer adamw does not apply to --pipeline-stages"),
+    ],
+)
+def test_recipe_refuses_what_it_does_not_support_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=None) as raised:
+        Config(**overrides).validate(ALGORITHMS)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
