@@ -9,16 +9,20 @@ import math
 import h5py
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.control.lr_schedule import learning_rate
+from crossbow_mpi.data import dataset_shape, synthetic_dataset
+from crossbow_mpi.export import export
+from crossbow_mpi.models import build_model
 from crossbow_mpi.replicas.optimizers import RowOptimizers, adamw, clip_rows
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import BATCH, STEPS, datasets, mlp, resume_config, resume_fit, run_config
+from helpers import BATCH, STEPS, datasets, mlp, resume_config, resume_fit, run_config, self_comm
 from reference import relative_error, sgd_reference
 
 ADAMW = dict(optimizer="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, lr=0.01)
@@ -145,3 +149,31 @@ def test_recipe_refuses_what_it_does_not_support_in_one_line(overrides, message)
     with pytest.raises(ConfigError, match=None) as raised:
         Config(**overrides).validate(ALGORITHMS)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_export_writes_the_optimizer_state_per_parameter_and_refuses_a_run_without_one(tmp_path):
+    shape, classes = dataset_shape("synthetic-mnist")
+    train = synthetic_dataset(shape, classes, 64, seed=0)
+    for optimizer in ("adamw", "sgd"):
+        cfg = Config(
+            model="mlp",
+            dataset="synthetic-mnist",
+            algorithm="ssgd",
+            optimizer=optimizer,
+            learners=1,
+            batch_size=8,
+            epochs=1,
+            eval_every=0,
+            target_accuracy=0,
+            run_dir=str(tmp_path / optimizer),
+        )
+        Trainer(cfg, self_comm()).fit(lambda: build_model("mlp", shape, classes), train, train)
+    export(str(tmp_path / "adamw"), str(tmp_path / "m.safetensors"), optimizer_out=str(tmp_path / "o.safetensors"))
+    state = load_file(tmp_path / "o.safetensors")
+    for name, param in build_model("mlp", shape, classes).named_parameters():
+        assert state[f"{name}.exp_avg"].shape == state[f"{name}.exp_avg_sq"].shape == param.shape
+    assert float(state["step"]) == 8
+    with pytest.raises(ConfigError, match="holds no optimizer state"):
+        export(str(tmp_path / "sgd"), str(tmp_path / "m2.safetensors"), optimizer_out=str(tmp_path / "o2.safetensors"))
+    assert not (tmp_path / "m2.safetensors").exists(), "nothing written"
