@@ -20,7 +20,7 @@ SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
-ROUND_ALGORITHMS = ("omnivore", "hogbatch", "auto")
+SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
 """The algorithms without `--optimizer adamw` and `--clip-grad-norm` (their steps are the model server's)."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
@@ -399,7 +399,7 @@ class Config:
 
 def refuse_recipe(config: Config, what: str) -> None:
     """Raise ConfigError where `what` (an optimizer other than momentum SGD, or clipping) is not supported."""
-    if config.algorithm in ROUND_ALGORITHMS:
+    if config.algorithm in SERVER_ALGORITHMS:
         raise ConfigError(f"{what} applies to --algorithm sma, ssgd, eager and elastic, not {config.algorithm}")
     if config.learners == "auto":
         raise ConfigError(f"{what} needs a fixed number of --learners, not auto")

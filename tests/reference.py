@@ -26,12 +26,17 @@ def load_state(module: nn.Module, state: torch.Tensor, num_params: int) -> None:
     vector_to_parameters(state[num_params:].clone(), float_buffers(module))
 
 
-def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_step: list[int]) -> torch.Tensor:
+def sma_reference(
+    model_fn, cfg: Config, train, world_size: int, learners_per_step: list[int], optimizer_fn=None
+) -> torch.Tensor:
     """Return z after len(learners_per_step) iterations of SMA, all in one epoch.
 
     Learner j of rank r keeps its state while it exists; a learner added later starts as z with zero
     momentum; the data of a step is cut rank-major, then learner by learner, from the epoch's permutation.
+    With `optimizer_fn`, each learner's own optimizer over its parameters (one tensor per parameter) replaces its
+    momentum step; gradients are clipped to `cfg.clip_grad_norm` where set.
     """
+    optimizers: dict[tuple[int, int], torch.optim.Optimizer] = {}
     torch.manual_seed(cfg.seed)
     module = model_fn()
     z = state_of(module).detach()
@@ -44,6 +49,7 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
     for k in learners_per_step:
         for key in [key for key in states if key[1] >= k]:
             del states[key], velocity[key]
+            optimizers.pop(key, None)
         for r in range(world_size):
             for j in range(k):
                 if (r, j) not in states:
@@ -63,10 +69,16 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
             F.cross_entropy(module(inputs.to(z.dtype)), targets).backward()
             after_forward = state_of(module).detach()
             w = after_forward[:n]
-            g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
-            velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - lr * g
+            if cfg.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(list(module.parameters()), cfg.clip_grad_norm)
             c = cfg.alpha * (w - z[:n])
             corrections.append(c)
+            if optimizer_fn is not None:
+                stepped = _optimizer_step(optimizers, (r, j), optimizer_fn, module, lr)
+                states[(r, j)] = torch.cat([stepped - c, after_forward[n:]])
+                continue
+            g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
+            velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - lr * g
             states[(r, j)] = torch.cat([w + velocity[(r, j)] - c, after_forward[n:]])
         central_momentum = cfg.central_momentum if cfg.momentum > 0 or cfg.central_momentum_always else 0.0
         dz = torch.stack(corrections).sum(0) + central_momentum * u
@@ -74,6 +86,21 @@ def sma_reference(model_fn, cfg: Config, train, world_size: int, learners_per_st
         z = torch.cat([z[:n] + dz, torch.stack([s[n:] for s in states.values()]).mean(0)])
         offset += k * world_size * cfg.batch_size
     return z
+
+
+def _optimizer_step(optimizers: dict, key, optimizer_fn, module: nn.Module, lr: float) -> torch.Tensor:
+    """Step learner `key`'s own optimizer (built at its first step) over copies of the module's parameters, with the
+    module's weights and gradients; return the stepped weights as a vector."""
+    if key not in optimizers:
+        optimizers[key] = optimizer_fn([nn.Parameter(p.detach().clone()) for p in module.parameters()])
+    optimizer = optimizers[key]
+    own = optimizer.param_groups[0]["params"]
+    for mine, param in zip(own, module.parameters(), strict=True):
+        mine.data.copy_(param.detach())
+        mine.grad = param.grad.clone()
+    optimizer.param_groups[0]["lr"] = lr
+    optimizer.step()
+    return parameters_to_vector(own).detach()
 
 
 def sgd_reference(model_fn, cfg: Config, train, aggregate: int, steps: int, optimizer_fn=None) -> nn.Module:
