@@ -21,7 +21,8 @@ CUTS = ("params", "time")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
 SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
-"""The algorithms without `--optimizer adamw` and `--clip-grad-norm` (their steps are the model server's)."""
+"""The algorithms without `--optimizer adamw` and `--clip-grad-norm`: omnivore's and hogbatch's steps are the model
+server's, and auto may switch to them."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32

@@ -60,9 +60,11 @@ def test_sma_with_an_optimizer_fn_matches_the_float64_reference_of_local_adamw_a
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", ["ssgd", "sma"])
+@pytest.mark.parametrize("algorithm", ["ssgd", "sma", pytest.param("elastic", marks=pytest.mark.slow)])
 def test_resume_with_adamw_is_bit_identical_and_stores_the_optimizer_state(comm, shared_tmp, algorithm):
     recipe = dict(algorithm=algorithm, optimizer="adamw", lr=0.005, clip_grad_norm=1.0)
+    if algorithm == "elastic":  # rounds of one global step, so that every rank takes one step per round
+        recipe["round_samples"] = 2 * 4 * comm.size
     whole = resume_fit(comm, resume_config(shared_tmp / "whole", **recipe))
     interrupted = shared_tmp / "interrupted"
     resume_fit(comm, resume_config(interrupted, **recipe))
@@ -179,3 +181,19 @@ def test_export_writes_the_optimizer_state_per_parameter_and_refuses_a_run_witho
     with pytest.raises(ConfigError, match="holds no optimizer state"):
         export(str(tmp_path / "sgd"), str(tmp_path / "m2.safetensors"), optimizer_out=str(tmp_path / "o2.safetensors"))
     assert not (tmp_path / "m2.safetensors").exists(), "nothing written"
+
+
+@pytest.mark.parametrize(
+    "optimizer_fn, overrides, message",
+    [
+        (lambda params: "adamw", {}, "optimizer_fn returned str, not a torch.optim.Optimizer"),
+        (lambda params: torch.optim.AdamW(params, betas=(2.0, 0.9)), {}, "optimizer_fn([params]) raised ValueError"),
+        (adamw(0.9, 0.999, 1e-8, 0.0), dict(algorithm="hogbatch"), "optimizer_fn applies to --algorithm sma"),
+    ],
+)
+def test_a_bad_optimizer_fn_is_refused_in_one_line(tmp_path, optimizer_fn, overrides, message):
+    train, _ = datasets(1, 1)
+    cfg = run_config(tmp_path, learners=1, **overrides)
+    with pytest.raises(ConfigError) as raised:
+        Trainer(cfg, self_comm()).start(mlp, train, optimizer_fn=optimizer_fn)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
