@@ -209,7 +209,8 @@ class Config:
     back within the node; over MPI), `flat` (one allreduce over all ranks), `auto` (`node` when the ranks span
     several nodes and MPI is the transport)."""
     precision: str = "fp32"
-    """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
+    """Learners' compute precision: `fp32`, or `bf16` autocast on the rank's device, CPU or GPU (z, u, corrections
+    and optimizer state stay float32)."""
     compile: bool = False
     """torch.compile each learner's forward and backward pass (needs a C++ compiler); the first step compiles,
     and its seconds are the summary's `compile_s`."""
