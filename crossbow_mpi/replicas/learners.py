@@ -38,13 +38,10 @@ class CentralModel:
         return self.z[self.layout.num_params :]
 
     def state_dict(self) -> dict:
-        """Return z, u and z's extra state (frozen parameters and non-float buffers, as bytes)."""
-        return {
-            "z": self.z.detach().clone(),
-            "u": self.u.clone(),
-            "extra": self.layout.extra_state_bytes(self.module),
-            "optimizer": {} if self.optimizer is None else _squeeze(self.optimizer.state_dict()),
-        }
+        """Return z, u, z's extra state (frozen parameters and non-float buffers, as bytes) and its optimizer's state
+        where it has one."""
+        state = {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
+        return state if self.optimizer is None else {**state, "optimizer": _squeeze(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.z.copy_(state["z"])
@@ -173,8 +170,8 @@ class Learners:
     def state_dict(self) -> dict:
         weights = self.weights.clone()
         weights[:, : self.layout.num_params] = self.params
-        optimizer = {} if self.optimizers is None else self.optimizers.state_dict()
-        return {"weights": weights, "momentum": self.momentum.clone(), "optimizer": optimizer}
+        state = {"weights": weights, "momentum": self.momentum.clone()}
+        return state if self.optimizers is None else {**state, "optimizer": self.optimizers.state_dict()}
 
     def load_state_dict(self, state: dict | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
