@@ -96,6 +96,23 @@ def test_resume_reshards_the_learners_optimizer_state_to_another_k(comm, shared_
     assert comm.rank != 0 or steps == [26, 26, 10], "two learners kept their state, the new one started afresh"
 
 
+@pytest.mark.slow
+@pytest.mark.mpi(min_size=2)
+def test_resume_on_more_ranks_keeps_each_held_ranks_optimizer_state_and_starts_a_new_one_afresh(comm, shared_tmp):
+    recipe = dict(algorithm="sma", optimizer="adamw", lr=0.005)
+    alone = comm.split(comm.rank == 0, comm.rank)
+    if comm.rank == 0:
+        resume_fit(alone, resume_config(shared_tmp, epochs=1, **recipe))  # 16 steps on one rank
+    comm.barrier()
+    pair = comm.split(comm.rank < 2, comm.rank)
+    if comm.rank < 2:
+        resume_fit(pair, resume_config(shared_tmp, epochs=2, resume=True, **recipe))  # then on two ranks
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(str(shared_tmp))[-1]) as f:
+            held, new = (f[f"ranks/{r}/optimizer/step"][...].tolist() for r in (0, 1))
+        assert new[0] > 0 and new == [new[0]] * 2 and held == [16 + new[0]] * 2
+
+
 def test_row_optimizers_step_each_row_as_torch_adamw_and_keep_their_state_in_matrices():
     torch.manual_seed(0)
     weights, grads = torch.randn(3, 5), torch.randn(4, 3, 5)
