@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then step drops at given epochs, on top of the base learning rate."""
+"""Learning-rate schedule: linear warm-up, then step drops at given epochs and HeteroGPU's time-based decay
+(`GPUGDScheduler.cu`: lr·1/(1 + decay·(epoch − warm-up epochs))), on top of the base learning rate."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ def learning_rate(base_lr: float, config: Config, epoch_progress: float) -> tupl
     drops = sum(epoch_progress >= step for step in config.lr_steps)
     lr = base_lr * config.lr_gamma**drops
     if epoch_progress < config.warmup_epochs:
-        lr *= 0.1 + 0.9 * epoch_progress / config.warmup_epochs
+        start = config.warmup_start
+        lr *= start + (1 - start) * epoch_progress / config.warmup_epochs
+    else:
+        lr /= 1 + config.lr_decay * (epoch_progress - config.warmup_epochs)
     return lr, drops
 
 
