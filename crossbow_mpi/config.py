@@ -86,9 +86,9 @@ class Config:
     groups before training, and again every `optimizer_epoch` (crossbow_mpi.control.omnivore_search). `auto` needs
     a fixed number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
     model: str = "lenet"
-    """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
+    """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`)."""
     dataset: str = "mnist"
-    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`)."""
+    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`)."""
     data_dir: str = "datasets/mnist"
     """Directory with the dataset files (ignored by synthetic datasets)."""
     learners: int | str = 2

@@ -412,7 +412,7 @@ def test_unknown_dataset():
 def test_synthetic_sequences_batches_take_their_first_samples_length():
     train, test = build_dataset("synthetic-sequences", "", seed=3)
     assert train.input_shape == (64,) and (len(train), len(test)) == (20000, 2000)
-    assert 8 <= int(train.lengths.min()) and int(train.lengths.max()) <= 64
+    assert int(train.lengths.min()) >= 8 and int(train.lengths.max()) <= 64
     assert bool((train.inputs[0, int(train.lengths[0]) :] == 0).all()) and bool((train.inputs[0, :8] > 0).all())
     widths = set()
     for first in range(0, 320, 32):
