@@ -7,16 +7,17 @@ under each slowdown (seed 1, pruned by the best time so far, as `benchmarks/tta.
 on `--reps` seeds (default 5). The table gives medians with min–max of the time to accuracy, samples/s beside it,
 and samples/s as a share of the ideal bound: with rank 1 slowed by f, the ranks can at best train
 (1 + 1/f)/2 of the balanced S-SGD run's samples/s (measured on the same seeds, without a slowdown). `settle_epochs`
-is where an adaptive run's samples/s first reaches 90 % of its settled value (the median of its second half of
-evaluations). Every run is kept in the point store, so a long sweep runs in chunks (`--budget-minutes`).
+is where an adaptive run's samples/s first reaches 90 % of its settled value (crossbow_mpi.report.settle_epoch,
+which `python -m crossbow_mpi.report` also draws and prints). Every run is kept in the point store, so a long
+sweep runs in chunks (`--budget-minutes`).
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 
 from benchmarks import eager, harness
+from crossbow_mpi.report import settle_epoch
 
 RANKS = 2
 ALGORITHMS = {
@@ -93,14 +94,6 @@ def variant_flags(budget: Budget, name: str, spec: str, lr: float) -> dict:
     return {**flags, "round_samples": budget.round_samples} if flags["algorithm"] in ROUNDS else flags
 
 
-def settle_epochs(trajectory: list[list[float]]) -> float | None:
-    """The first epoch at which samples/s reaches 90 % of the median of the run's second half of evaluations."""
-    if len(trajectory) < 2:
-        return None
-    settled = statistics.median(rate for _, rate in trajectory[len(trajectory) // 2 :])
-    return next(epoch for epoch, rate in trajectory if rate >= 0.9 * settled)
-
-
 def tune(options: harness.Options, budget: Budget) -> tuple[dict, list[dict]]:
     """Race every (slowdown, variant) over the learning-rate grid on seed 1; return each one's best flags and
     the runs."""
@@ -135,7 +128,7 @@ def final_rows(budget: Budget, best: dict, runs: list[dict], balanced: float | N
             row = harness.train_row(runs, variant)
             lowest, highest = harness.spread(runs, variant, "tta_s")
             mine = [run for run in runs if run["variant"] == variant]
-            settled = [settle_epochs(run.get("trajectory", [])) for run in mine]
+            settled = [settle_epoch(run.get("trajectory", [])) for run in mine]
             rows.append(
                 {
                     "slowdown": factor,
