@@ -96,7 +96,7 @@ def summary_line(run: RunRecords) -> str:
         outcome = f"target {target:.2%} reached in {reached:.1f} s"
     unfinished = "" if run.of("summary") else "; no summary record (stopped early or still running)"
     settled = settle_epoch(_throughput(run)) if _batch_changes(run) else None
-    settling = "" if settled is None else f"; samples/s within 90 % of settled from epoch {settled:.3f}"
+    settling = "" if settled is None else f"; 90 % of settled samples/s reached at epoch {settled:.3f}"
     return (
         f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
         f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{settling}{unfinished}"

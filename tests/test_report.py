@@ -158,5 +158,5 @@ def test_settle_epoch_is_where_samples_per_s_first_reach_nine_tenths_of_the_sett
     ]
     change = {"event": "hyperparams", "time_s": 0.1, "changes": {"batch_size": [[16, 16], [48, 1]]}}
     adaptive = RunRecords("adaptive", {}, evaluations, [change])
-    assert "within 90 % of settled from epoch 0.300" in summary_line(adaptive)
+    assert "90 % of settled samples/s reached at epoch 0.300" in summary_line(adaptive)
     assert "settled" not in summary_line(RunRecords("fixed", {}, evaluations, []))
