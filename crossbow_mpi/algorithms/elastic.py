@@ -62,12 +62,14 @@ class ElasticAveraging(RoundsAlgorithm):
         position = super().end_round()
         hp, central, learners = self.hp, self.central, self.learners
         self.allocate_message()
-        steps = [float(u) for u in self.transport.data.allgather_json(self.round_steps)]
-        weights = normalised_l2(steps) if hp.merge_l2 else steps
-        self.weight = weights[self.transport.data.rank]
+        self.weight, unnormalised = float(self.round_steps), 1.0
+        if hp.merge_l2:
+            steps = [float(u) for u in self.transport.data.allgather_json(self.round_steps)]
+            weights = normalised_l2(steps)
+            self.weight, unnormalised = weights[self.transport.data.rank], sum(steps) / sum(weights)
         torch.mul(learners.params, self.weight, out=self.staged_rows(slice(None)))
-        merged, _ = self.allreduce_staged(self.transport.data)
-        dz = merged.div_(learners.k * sum(steps)).sub_(central.params)
+        merged, carried = self.allreduce_staged(self.transport.data)
+        dz = merged.div_(carried * unnormalised).sub_(central.params)  # with merge_l2: Σ_i p_i w_i, Σ p_i ≠ 1
         dz.add_(central.u, alpha=hp.merge_momentum if hp.local_momentum else hp.momentum)
         central.u.copy_(dz)
         central.params.add_(dz)
