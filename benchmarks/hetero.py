@@ -38,6 +38,8 @@ class Budget(eager.Budget):
 
     lr_grid: tuple[float, ...]
     round_samples: int
+    variants: tuple[str, ...] = tuple(ALGORITHMS)
+    """The variants raced (names of ALGORITHMS)."""
 
 
 FULL = Budget(
@@ -65,6 +67,7 @@ QUICK = Budget(
     lr_grid=(0.01,),
     round_samples=256,
     timeout_s=120,
+    variants=("ssgd", "ssgd adaptive", "hogbatch adaptive", "elastic adaptive"),
 )
 
 COLUMNS = [
@@ -101,7 +104,7 @@ def tune(options: harness.Options, budget: Budget) -> tuple[dict, list[dict]]:
     points = {
         f"{factor} / {name} / lr {lr}": ((factor, name), lr, variant_flags(budget, name, spec, lr))
         for factor, spec in budget.imbalances.items()
-        for name in ALGORITHMS
+        for name in budget.variants
         for lr in budget.lr_grid
     }
     runs = harness.interleave(
@@ -121,7 +124,7 @@ def final_rows(budget: Budget, best: dict, runs: list[dict], balanced: float | N
     for factor, spec in budget.imbalances.items():
         reference = harness.train_row(runs, f"{factor} / ssgd")["tta_s"]
         bound = balanced * (1 + 1 / slowdown(spec)) / 2 if balanced else None
-        for name in ALGORITHMS:
+        for name in budget.variants:
             variant = f"{factor} / {name}"
             if (factor, name) not in best:
                 continue
@@ -154,7 +157,7 @@ def update_balance(runs: list[dict]) -> float | None:
 
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
-    expected = len(budget.imbalances) * len(ALGORITHMS)
+    expected = len(budget.imbalances) * len(budget.variants)
     harness.log(f"hetero: {expected * len(budget.lr_grid)} tuning runs on {RANKS} ranks")
     best, tuning = tune(options, budget)
     finals = {f"{factor} / {name}": flags for (factor, name), (_, flags) in best.items()}
