@@ -172,6 +172,15 @@ def test_warm_up_starts_at_warmup_start_and_decay_follows_heterogpu():
     assert learning_rate(0.1, cfg, 4.0)[0] == pytest.approx(0.1 / (1 + 0.5 * 2))
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--warmup-start", "0"], "--warmup-start must be in"), (["--lr-decay", "-1"], "--lr-decay must not be negative")],
+)
+def test_bad_schedule_flags_are_config_errors(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(flags).validate(ALGORITHMS)
+
+
 def test_batch_min_above_batch_max_is_a_config_error():
     with pytest.raises(ConfigError, match="--batch-min 9 exceeds --batch-max 8"):
         parse_config(["--adaptive-batch", "--batch-min", "9", "--batch-max", "8"]).validate(ALGORITHMS)
