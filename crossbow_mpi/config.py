@@ -53,6 +53,8 @@ NON_NEGATIVE = (
     "merge_momentum",
     "lr_gamma",
     "warmup_epochs",
+    "lr_decay",
+    "base_batch",
     "eval_every",
     "threads",
     "checkpoint_every",
@@ -91,9 +93,9 @@ class Config:
     groups before training, and again every `optimizer_epoch` (crossbow_mpi.control.omnivore_search). `auto` needs
     a fixed number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
     model: str = "lenet"
-    """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
+    """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`)."""
     dataset: str = "mnist"
-    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`)."""
+    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`)."""
     data_dir: str = "datasets/mnist"
     """Directory with the dataset files (ignored by synthetic datasets)."""
     learners: int | str = 2
@@ -104,14 +106,15 @@ class Config:
     """Adapt each rank's batch size to its speed every `adapt_every` steps, by `batch_step` within [`batch_min`,
     `batch_max`]: so that the ranks' steps take equal time, or with `hogbatch` and `elastic`, that they make equal
     numbers of updates."""
-    adapt_every: int = 20
-    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`, `elastic`)."""
+    adapt_every: int = 1
+    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`, `elastic`); 1, as
+    HeteroGPU adapts at every merge."""
     batch_min: int = 1
     """With `adaptive_batch`: smallest batch size per learner."""
     batch_max: int = 1024
     """With `adaptive_batch`: largest batch size per learner."""
-    batch_step: int = 1
-    """With `adaptive_batch`: change of a rank's batch size per window."""
+    batch_step: int = 32
+    """With `adaptive_batch`: change of a rank's batch size per window (32, HeteroGPU's)."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""
@@ -152,8 +155,17 @@ class Config:
     """SMA: apply `central_momentum` also when the learners' `momentum` is 0 (CROSSBOW applies it only with learner
     momentum)."""
     merge_momentum: float = 0.0
-    """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
-    step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""
+    """elastic with `local_momentum`: momentum μ_z of the central model's step to each round's merged model (0: z
+    becomes the merged model). Without `local_momentum` the merge takes `momentum`."""
+    local_momentum: bool = False
+    """elastic: take `momentum` in the local steps and `merge_momentum` at the merge; default: plain local SGD
+    steps and `momentum` at the merge, as HeteroGPU."""
+    base_batch: float = 0.0
+    """elastic: base batch B of the local step size η·b_i/B (HeteroGPU's linear scaling); 0: the mean of
+    `batch_size` at the start."""
+    merge_l2: bool = False
+    """elastic: HeteroGPU's adaptive normalisation: the merge weight of the rank with the most updates times 1.1,
+    of the one with the fewest times 0.9 (not renormalised, as the artifact)."""
     eager_mode: str = "solo"
     """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
     eager_sync_every: int = 32
@@ -183,7 +195,12 @@ class Config:
     lr_gamma: float = 0.1
     """Factor applied to the learning rate at each of `lr_steps`."""
     warmup_epochs: float = 0.0
-    """Epochs of linear learning-rate warm-up from lr/10 to lr."""
+    """Epochs of linear learning-rate warm-up from `warmup_start`·lr to lr; adaptive batch sizes stay fixed
+    during it, as in HeteroGPU."""
+    warmup_start: float = 0.1
+    """Fraction of lr at the start of the warm-up (HeteroGPU: 0.01)."""
+    lr_decay: float = 0.0
+    """Time-based decay after the warm-up: lr·1/(1 + lr_decay·(epoch − warmup_epochs)) (HeteroGPU's)."""
     epochs: float = 10.0
     """Upper bound on training epochs."""
     target_accuracy: float = 0.99
@@ -350,6 +367,8 @@ class Config:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:
             raise ConfigError("--momentum, --central-momentum and --merge-momentum must be below 1")
+        if not 0 < self.warmup_start <= 1:
+            raise ConfigError(f"--warmup-start must be in (0, 1], got {self.warmup_start}")
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):

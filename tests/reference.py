@@ -129,8 +129,11 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def elastic_reference(model_fn, cfg: Config, train, world_size: int, learners: int, steps: int) -> torch.Tensor:
     """Return z after `steps` rounds of one global step of adaptive elastic averaging on equal ranks (every p_i
-    equal): each learner starts from z, takes one momentum-SGD step on its slice, and z moves to the learners' mean
-    by the central momentum step (`merge_momentum`)."""
+    equal): each learner starts from z, takes one SGD step of size η·b/B on its slice (momentum μ with
+    `local_momentum`, else plain), and z moves to the learners' mean by the central momentum step (μ_z:
+    `merge_momentum` with `local_momentum`, else μ)."""
+    local_mu, merge_mu = (cfg.momentum, cfg.merge_momentum) if cfg.local_momentum else (0.0, cfg.momentum)
+    lr = cfg.lr * cfg.batch_size / (cfg.base_batch or cfg.batch_size)  # η·b_i/B
     torch.manual_seed(cfg.seed)
     module = model_fn()
     z = state_of(module).detach()
@@ -150,9 +153,9 @@ def elastic_reference(model_fn, cfg: Config, train, world_size: int, learners: i
             after_forward = state_of(module).detach()
             w = after_forward[:n]
             g = parameters_to_vector([p.grad for p in module.parameters()]) + cfg.weight_decay * w
-            velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - cfg.lr * g
+            velocity[(r, j)] = local_mu * velocity[(r, j)] - lr * g
             states.append(torch.cat([w + velocity[(r, j)], after_forward[n:]]))
         merged = torch.stack(states).mean(0)
-        u = merged[:n] - z[:n] + cfg.merge_momentum * u
+        u = merged[:n] - z[:n] + merge_mu * u
         z = torch.cat([z[:n] + u, merged[n:]])
     return z

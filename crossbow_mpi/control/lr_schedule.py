@@ -1,6 +1,7 @@
-"""Learning-rate schedule on top of the base learning rate: linear warm-up (by epochs, from lr/10, or by
+"""Learning-rate schedule on top of the base learning rate: linear warm-up (by epochs, from `warmup_start`·lr, or by
 iterations, from lr/warmup_steps), then step drops at given epochs, a constant rate, or a cosine decay to 0 over the
-run's epochs (Loshchilov and Hutter's SGDR without restarts, as torch.optim.lr_scheduler.CosineAnnealingLR)."""
+run's epochs (Loshchilov and Hutter's SGDR without restarts, as torch.optim.lr_scheduler.CosineAnnealingLR), and
+HeteroGPU's time-based decay (`GPUGDScheduler.cu`: lr·1/(1 + decay·(epoch − warm-up epochs)))."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def learning_rate(base_lr: float, config: Config, epoch_progress: float, iterati
     if config.lr_schedule == "cosine":
         lr *= 0.5 * (1 + math.cos(math.pi * min(epoch_progress / config.epochs, 1.0)))
     if epoch_progress < config.warmup_epochs:
-        lr *= 0.1 + 0.9 * epoch_progress / config.warmup_epochs
+        start = config.warmup_start
+        lr *= start + (1 - start) * epoch_progress / config.warmup_epochs
+    else:
+        lr /= 1 + config.lr_decay * (epoch_progress - config.warmup_epochs)
     if iteration < config.warmup_steps:
         lr *= (iteration + 1) / config.warmup_steps
     return lr, drops

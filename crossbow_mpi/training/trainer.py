@@ -207,7 +207,7 @@ class Trainer:
         run = self.start(model_fn, train_set, loss_fn, test_set, output_fn, optimizer_fn)
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
         if cfg.adaptive_batch:
-            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
+            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs)
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
