@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.runtime import ulfm
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -42,6 +43,8 @@ class Watchdog:
         self.received = np.zeros(self.size, dtype=np.int64)
         """Heartbeats sent to and received from each rank (to receive every one before the channel is freed)."""
         self.stopping = threading.Event()
+        self.lost = False
+        """Whether the heartbeats stopped on a lost rank (ULFM)."""
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.thread.start()
 
@@ -72,6 +75,14 @@ class Watchdog:
         self.thread.join()
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        except Exception as err:
+            if not ulfm.is_rank_loss(err):
+                raise
+            self.lost = True  # a peer died: the training loop's collectives see it too and recover or end
+
+    def _beat(self) -> None:
         self.incoming = np.zeros(2, dtype=np.int64)
         self.request = self.channel.irecv_any(self.incoming, HEARTBEAT_TAG)
         sends: list[MPI.Request] = []
