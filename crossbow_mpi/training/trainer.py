@@ -242,7 +242,10 @@ class Trainer:
         holds (the step in flight is dropped on all of them), check that they hold the same z, record the loss
         and write a checkpoint. RankLost when the run cannot go on here (exit 75)."""
         started, cfg, old = time.perf_counter(), self.config, self.topology
-        ulfm.revoke([scope.mpi_comm for scope in (old.world, old.data, old.group, old.stage)] + parts.channels())
+        scopes = (old.world, old.data, old.group, old.stage)
+        ulfm.revoke([comm for scope in scopes for comm in scope.mpi_comms()] + parts.channels())
+        for scope in scopes:
+            scope.abandon()
         parts.close(failed=True)
         run.engine.close()
         survivors, lost = ulfm.shrink(old.world.mpi_comm)
