@@ -104,12 +104,12 @@ class Rollback:
         self.snapshots: dict[int, dict] = {}
 
     def before_step(self, iteration: int, state_dict: Callable[[], dict]) -> None:
-        """Keep a copy of `state_dict()`, the state before this iteration's step, and the one before it; then
-        inject the test's kill, if any."""
+        """When enabled, keep a copy of `state_dict()`, the state before this iteration's step, and the one before
+        it; then inject the test's kill, if any (also when not enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled:
             self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
             self.snapshots[iteration] = copy.deepcopy(state_dict())
-            inject_kill(iteration)
+        inject_kill(iteration)
 
     def newest(self) -> int:
         """Return the newest iteration held (-1: none)."""
