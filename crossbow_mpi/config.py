@@ -178,7 +178,7 @@ class Config:
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
     seconds because a rank stopped taking part (0: never)."""
     on_rank_loss: str = "abort"
-    """When a rank dies (a killed process, a lost node): `abort` the job, or `continue` on the survivors (`sma`,
+    """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (`sma`,
     `ssgd`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step in flight is dropped, the run
     goes on from the last step every survivor completed, and a checkpoint is written."""
     min_ranks: int = 1

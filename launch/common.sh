@@ -20,7 +20,7 @@ stopped_by_signal() {
         awk -v skip="$2" 'NR > skip && /^\{"event": "preempted"/ { found = 1 } END { exit !found }' "$1/metrics.jsonl"
 }
 
-# With CROSSBOW_FT=1 a rank that dies (a killed process, a lost node) does not end the job: mpirun's flag for
+# With CROSSBOW_FT=1 a rank that dies (a killed process) does not end the job: mpirun's flag for
 # Open MPI 5's ULFM, and the training flag that goes on with the survivors (docs/failures.md). Flags given to the
 # script come later, so they override it.
 # shellcheck disable=SC2034  # used by the scripts that source this file
