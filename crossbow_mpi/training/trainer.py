@@ -214,7 +214,7 @@ class Trainer:
                 except Exception as err:
                     if not rollback.enabled or not ulfm.is_rank_loss(err):
                         raise
-                    run, parts = self._survive(run, parts, clock, rollback, inputs)
+                    run, parts = self._recover(run, parts, clock, rollback, inputs)
                     stop = False
             if cfg.pipeline_stages > 1:
                 result = _whole_model(result, self.topology.stage, model_fn, run.engine.cut)
@@ -234,21 +234,36 @@ class Trainer:
         args = (inputs.test_set, inputs.loss_fn, inputs.output_fn, controllers, self.device)
         return Components.build(cfg, self.topology, run, *args)
 
-    def _survive(
+    def _recover(
         self, run: Run, parts: Components, clock: Clock, rollback: ulfm.Rollback, inputs: _Inputs
+    ) -> tuple[Run, Components]:
+        """Go on without the ranks that died (`_survive`), again on fewer ranks when more die meanwhile."""
+        live, size = [run, parts], self.topology.world.size
+        lost: list[int] = []
+        while True:
+            try:
+                return self._survive(live, lost, clock, rollback, inputs, size)
+            except Exception as err:
+                if not ulfm.is_rank_loss(err):
+                    raise
+
+    def _survive(
+        self, live: list, lost: list[int], clock: Clock, rollback: ulfm.Rollback, inputs: _Inputs, size: int
     ) -> tuple[Run, Components]:
         """Go on without the ranks that died (ULFM): revoke every scope, shrink the world to the survivors,
         rebuild the scopes, the run and its components on them, restore the newest iteration that every survivor
         holds (the step in flight is dropped on all of them), check that they hold the same z, record the loss
-        and write a checkpoint. RankLost when the run cannot go on here (exit 75)."""
-        started, cfg, old = time.perf_counter(), self.config, self.topology
+        and write a checkpoint. `live` holds the run and its components, `lost` the ranks lost so far, `size` the
+        world's before the loss. RankLost when the run cannot go on here (exit 75)."""
+        started, cfg, old, (run, parts) = time.perf_counter(), self.config, self.topology, live
         scopes = (old.world, old.data, old.group, old.stage)
         ulfm.revoke([comm for scope in scopes for comm in scope.mpi_comms()] + parts.channels())
         for scope in scopes:
             scope.abandon()
         parts.close(failed=True)
         run.engine.close()
-        survivors, lost = ulfm.shrink(old.world.mpi_comm)
+        survivors, dead = ulfm.shrink(old.world.mpi_comm)
+        lost[:] = sorted(lost + dead)
         world = MpiCommunicator(survivors)
         if cfg.pipeline_stages > 1:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died and a pipeline cannot lose a stage")
@@ -260,9 +275,10 @@ class Trainer:
         self.topology = Topology.data_parallel(world, data, local_rank, local_size)
         run = self.start(inputs.model_fn, inputs.train_set, inputs.loss_fn, inputs.test_set, inputs.output_fn)
         parts = self._components(dataclasses.replace(cfg, resume=False), run, inputs)
+        live[:] = run, parts
         run.load_state_dict(rollback.at(iteration))
         if cfg.rank_loss_lr == "linear":
-            run.hp.lr *= world.size / old.world.size
+            run.hp.lr *= world.size / size
         if len(set(world.allgather_json(ulfm.digest(run.central.z)))) > 1:
             raise ulfm.RankLost("the survivors hold different central models after the rollback")
         record = {"event": "rank_lost", "ranks": lost, "world_size": world.size, "iteration": iteration}
