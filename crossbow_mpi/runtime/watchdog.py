@@ -43,8 +43,6 @@ class Watchdog:
         self.received = np.zeros(self.size, dtype=np.int64)
         """Heartbeats sent to and received from each rank (to receive every one before the channel is freed)."""
         self.stopping = threading.Event()
-        self.lost = False
-        """Whether the heartbeats stopped on a lost rank (ULFM)."""
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self.thread.start()
 
@@ -79,8 +77,7 @@ class Watchdog:
             self._beat()
         except Exception as err:
             if not ulfm.is_rank_loss(err):
-                raise
-            self.lost = True  # a peer died: the training loop's collectives see it too and recover or end
+                raise  # a peer that died (ULFM) ends the heartbeats: the training loop's collectives see it too
 
     def _beat(self) -> None:
         self.incoming = np.zeros(2, dtype=np.int64)
