@@ -283,10 +283,10 @@ class Trainer:
             raise ulfm.RankLost("the survivors hold different central models after the rollback")
         record = {"event": "rank_lost", "ranks": lost, "world_size": world.size, "iteration": iteration}
         parts.metrics.write({**record, "lr": run.hp.lr, "recovery_s": time.perf_counter() - started})
-        parts.progress.note(f"rank(s) {_names(lost)} died; going on with {world.size} ranks from iteration {iteration}")
         parts.checkpoints.save(run, clock.elapsed(run.state))
         if world.size < cfg.min_ranks:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died and {world.size} < --min-ranks {cfg.min_ranks} remain")
+        parts.progress.note(f"rank(s) {_names(lost)} died; going on with {world.size} ranks from iteration {iteration}")
         return run, parts
 
     def _loop(self, run: Run, c: Components, stop: bool, clock: Clock, rollback: ulfm.Rollback) -> FitResult:
