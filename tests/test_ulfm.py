@@ -12,6 +12,7 @@ import sys
 import h5py
 import pytest
 
+from crossbow_mpi import Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.runtime import ulfm
@@ -55,6 +56,12 @@ def test_continue_applies_to_the_allreduce_algorithms_only():
     with pytest.raises(ConfigError, match="--on-rank-loss"):
         Config(on_rank_loss="retry").validate(ALGORITHMS)
     Config(algorithm="ssgd", on_rank_loss="continue").validate(ALGORITHMS)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_min_ranks_above_the_jobs_ranks_is_refused(comm, shared_tmp):
+    with pytest.raises(ConfigError, match=f"--min-ranks 99 exceeds the job's {comm.size} ranks"):
+        Trainer(Config(run_dir=str(shared_tmp), min_ranks=99), comm)
 
 
 def test_rollback_holds_the_last_two_steps_and_copies_them():

@@ -113,6 +113,8 @@ class Trainer:
         rendezvous(world, config.collective_timeout, "Trainer(config)")
         agree(world, process.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
+        if config.min_ranks > world.size:
+            raise ConfigError(f"--min-ranks {config.min_ranks} exceeds the job's {world.size} ranks")
         if config.tensorboard:
             agree(world, summary_writer_class)
         configs = world.allgather_json(dataclasses.asdict(config))
