@@ -44,6 +44,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="as crossbow_mpi.train's")
+    parser.add_argument("--beta1", type=float, default=0.9)
+    parser.add_argument("--beta2", type=float, default=0.999)
+    parser.add_argument("--eps", type=float, default=1e-8)
     parser.add_argument("--weight-decay", type=float, default=0.0005)
     parser.add_argument("--epochs", type=float, default=10.0, help="upper bound on training epochs")
     parser.add_argument("--target-accuracy", type=float, default=0.99, help="stop once reached (0: never)")
@@ -169,7 +173,15 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
     model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.optimizer == "adamw":
+        betas = (args.beta1, args.beta2)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        )
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     next_eval, record, time_to_target, time_limited = args.eval_every, None, None, False
     loss_fn = token_cross_entropy if args.model in LANGUAGE_MODELS else F.cross_entropy

@@ -3,8 +3,8 @@
     python -m benchmarks.lm [--quick] [--reps 5] [--budget-minutes 45]
 
 The question: does SMA's advantage survive an attention model? Systems: PyTorch DDP (benchmarks/ddp_peer.py),
-crossbow_mpi S-SGD, and SMA at k ∈ {1, 2, 4} learners per rank, all with momentum SGD (the optimizers of issue 34
-part 2, AdamW among them, are not on this branch; once `--optimizer` exists, the same races run with it).
+crossbow_mpi S-SGD, and SMA at k ∈ {1, 2, 4} learners per rank, all with one `--optimizer` (FULL.optimizer:
+`sgd`, momentum SGD; `adamw` runs the same races with AdamW learners, and DDP with torch's AdamW).
 
 1. Grid (seed 1): in each layout (2 ranks × 1 thread, 1 rank × 2 threads) every system at every learning rate
    of one grid, the same for all (per learner for SMA), batch `b` per rank (per learner for SMA).
@@ -37,6 +37,8 @@ class Budget:
     model_args: str
     seq_len: int
     corpus_bytes: int
+    optimizer: str
+    """Every system's `--optimizer` (`sgd`: momentum SGD; `adamw`)."""
     target_loss: float
     batch: int
     lrs: tuple[float, ...]
@@ -54,6 +56,7 @@ FULL = Budget(
     "layers=4,heads=4,width=128",
     64,
     4 << 20,
+    "sgd",
     1.6,
     16,
     (0.05, 0.1, 0.2, 0.4),
@@ -64,7 +67,9 @@ FULL = Budget(
     4,
     3600,
 )
-QUICK = Budget("layers=1,heads=2,width=16", 16, 64 << 10, 4.0, 8, (0.1,), ("ddp",), (2,), ("2x1",), 400, 0.2, 120)
+QUICK = Budget(
+    "layers=1,heads=2,width=16", 16, 64 << 10, "sgd", 4.0, 8, (0.1,), ("ddp",), (2,), ("2x1",), 400, 0.2, 120
+)
 COLUMNS = ["layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"]
 
 
@@ -89,6 +94,7 @@ def flags(budget: Budget, data_dir: Path, system: dict, threads: int, lr: float)
     """The training flags of one point (the same for both trainers besides the system's own)."""
     shared = {"model": "tinygpt", "model_args": budget.model_args, "dataset": "text", "data_dir": str(data_dir)}
     shared |= {"seq_len": budget.seq_len, "batch_size": budget.batch, "lr": lr, "weight_decay": 0.0}
+    shared |= {"optimizer": budget.optimizer}
     shared |= {"target_accuracy": 0, "target_loss": budget.target_loss, "eval_every": budget.eval_every}
     own = {key: value for key, value in system.items() if key != "trainer"}
     return {**shared, "epochs": budget.epochs, "threads": threads, **own}
@@ -147,8 +153,8 @@ def measure(options: harness.Options) -> harness.Report:
         runs = [run for layout in budget.layouts for run in race(options, budget, data_dir, layout)]
     expected = len(budget.layouts) * len(systems(budget)) * (len(budget.lrs) + options.reps)
     return harness.Report(
-        question=f"tinygpt ({budget.model_args}) on {text['bytes']} bytes of text, momentum SGD: time to test loss "
-        f"{budget.target_loss:g}, DDP against crossbow_mpi S-SGD and SMA; medians, vs_ddp = time / DDP's",
+        question=f"tinygpt ({budget.model_args}) on {text['bytes']} bytes of text, {budget.optimizer}: time to test "
+        f"loss {budget.target_loss:g}, DDP against crossbow_mpi S-SGD and SMA; medians, vs_ddp = time / DDP's",
         columns=COLUMNS,
         rows=rows(runs),
         runs=runs,
