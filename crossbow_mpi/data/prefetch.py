@@ -38,6 +38,13 @@ class BatchPrefetcher:
         self.dtype = dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ahead: tuple[tuple, list[Batch], torch.cuda.Event] | None = None
+        self.step_bytes = 0
+        """The bytes of the last step's batches fetched."""
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of batches held at once: a step's, and on a GPU the next step's beside it."""
+        return self.step_bytes * (1 if self.stream is None else 2)
 
     def batches(self, epoch: int, offset: int, learners: int, batch_size: int | Sequence[int]) -> list[Batch]:
         """Return the k batches of the step at `offset` of `epoch`, ready for work on the current stream."""
@@ -64,4 +71,6 @@ class BatchPrefetcher:
 
     def _fetch(self, position: tuple) -> list[Batch]:
         indices = self.sampler.indices(*position)
-        return [to_device(fetch_batch(self.dataset, row), self.device, self.dtype) for row in indices]
+        batches = [to_device(fetch_batch(self.dataset, row), self.device, self.dtype) for row in indices]
+        self.step_bytes = sum(t.numel() * t.element_size() for batch in batches for t in batch)
+        return batches

@@ -85,18 +85,21 @@ class FlatLayout:
         )
 
     def bind(self, model: nn.Module, state: torch.Tensor, params: torch.Tensor | None = None) -> None:
-        """Make the model's trainable parameters and float buffers views of `state` (the parameters: of `params`,
-        if given, a parameter vector); drop its gradients."""
-        assert state.shape == (self.num_state,)
-        for param, view in zip(
-            self.trainable(model), self.param_views(state if params is None else params), strict=True
-        ):
+        """Make the model's trainable parameters and float buffers views of `state`, a state vector, or, with
+        `params` (a parameter vector, which the parameters then view) given, of its float buffers' part alone;
+        drop its gradients."""
+        if params is None:
+            assert state.shape == (self.num_state,)
+            params, state = state[: self.num_params], state[self.num_params :]
+        assert state.shape == (self.num_state - self.num_params,)
+        for param, view in zip(self.trainable(model), self.param_views(params), strict=True):
             param.data = view  # one Parameter object, however many modules hold it
             param.grad = None
         modules = dict(model.named_modules())
         holders = _buffer_holders(model)
         for s in self.buffer_slots:
-            view = state[s.offset : s.offset + s.numel].view(s.shape)
+            start = s.offset - self.num_params
+            view = state[start : start + s.numel].view(s.shape)
             for module, name in holders[id(getattr(modules[s.module], s.name))]:
                 module._buffers[name] = view
 

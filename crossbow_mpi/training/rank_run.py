@@ -21,6 +21,7 @@ from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.replicas.engines import LearnerEngine
 from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.footprint import bytes_per_learner, footprint
 from crossbow_mpi.replicas.kernels import fuse
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams, TrainState
@@ -230,6 +231,16 @@ class Run:
         """Change the number of learners on this rank (new ones start from z with zero momentum)."""
         self.engine.synchronize()
         self.learners.resize(k, self.central.z)
+
+    def memory_bytes(self) -> dict:
+        """Return this rank's bytes by part (crossbow_mpi.replicas.footprint)."""
+        concurrent = self.learners.k if self.engine.runs_learners_at_once else 1
+        held = max(p.held_bytes for p in (self.prefetcher, self.group_prefetcher))
+        return footprint(self.central, self.learners, self.algorithm, self.engine.activations.bytes, concurrent, held)
+
+    def learner_bytes(self) -> int:
+        """Return what one more learner costs this rank, measured (its activations once a step has run)."""
+        return bytes_per_learner(self.learners, self.engine.activations.bytes)
 
     def state_dict(self) -> dict:
         """Return a snapshot of this rank's whole training state (settle and drain first)."""

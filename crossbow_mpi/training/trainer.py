@@ -294,6 +294,7 @@ class Trainer:
             "algorithm": run.algorithm.name,
             "threads_per_rank": self.threads,
             "device": str(self.device),
+            "memory_bytes": self.topology.world.allgather_json(run.memory_bytes()),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
             **(
                 {"optimizer_s": state.optimizer_s, "optimizer_share": state.optimizer_s / max(elapsed_s, 1e-9)}
