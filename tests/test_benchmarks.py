@@ -35,6 +35,7 @@ COLUMNS = {
         "matmul_gflops",
         "fraction",
     },
+    "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
