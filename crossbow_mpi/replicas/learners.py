@@ -31,12 +31,18 @@ class CentralModel:
         return self.z[self.layout.num_params :]
 
     def state_dict(self) -> dict:
-        """Return z, u and z's extra state (frozen parameters and non-float buffers, as bytes)."""
-        return {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
+        """Return z and u (in contiguous order) and z's extra state (frozen parameters and non-float buffers, as
+        bytes)."""
+        logical = self.layout.to_logical
+        return {
+            "z": logical(self.z.detach()),
+            "u": logical(self.u),
+            "extra": self.layout.extra_state_bytes(self.module),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.z.copy_(state["z"])
-        self.u.copy_(state["u"])
+        self.z.copy_(self.layout.from_logical(state["z"]))
+        self.u.copy_(self.layout.from_logical(state["u"]))
         self.layout.load_extra_state_bytes(self.module, state["extra"])
 
     def broadcast_extra_state(self, comm) -> None:
@@ -152,10 +158,10 @@ class Learners:
         take_gradients(self.trainable[j], self.grad_views[j])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Return every learner's full state vector and momentum (zero while `shares_z`)."""
+        """Return every learner's full state vector and momentum (zero while `shares_z`), in contiguous order."""
         weights = torch.cat([self.params, self.buffers], dim=1)
         momentum = self.momentum.new_zeros((self.k, self.layout.num_params)) if self.shares_z else self.momentum
-        return {"weights": weights, "momentum": momentum.clone()}
+        return {"weights": self.layout.to_logical(weights), "momentum": self.layout.to_logical(momentum)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
@@ -167,9 +173,9 @@ class Learners:
         if state is None:
             return
         fit = min(self.k, len(state["weights"]))
-        self.weights[:fit] = state["weights"][:fit, self.own_columns]
+        self.weights[:fit] = self.layout.from_logical(state["weights"][:fit])[:, self.own_columns]
         if not self.shares_z:
-            self.momentum[:fit] = state["momentum"][:fit]
+            self.momentum[:fit] = self.layout.from_logical(state["momentum"][:fit])
 
     def take_extra_state(self) -> None:
         """Give every learner z's frozen parameters and non-float buffers."""

@@ -53,7 +53,9 @@ AUTO_FIRST = "ssgd"
 """The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
 
-def build_model(model_fn: Callable[[], nn.Module], device: torch.device, topology: Topology):
+def build_model(
+    model_fn: Callable[[], nn.Module], device: torch.device, topology: Topology, channels_last: bool = False
+):
     """Return this rank's model on `device` and its flat layout (collective). ConfigError on every rank when any
     rank's model_fn gave no trainable torch module, or when the ranks that average one model built different
     architectures (their parameters would be averaged position by position into nonsense)."""
@@ -63,7 +65,7 @@ def build_model(model_fn: Callable[[], nn.Module], device: torch.device, topolog
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model_fn returned {type(module).__name__}, not a torch.nn.Module")
         module = module.to(device)
-        layout = FlatLayout(module)
+        layout = FlatLayout(module, channels_last)
     except ValueError as err:  # ConfigError, or FlatLayout's "no trainable parameters"
         problem = f"rank {topology.world.rank}: {err}"
     problems = [p for p in topology.world.allgather_json(problem) if p]
@@ -94,12 +96,13 @@ class Run:
         train_set,
         learners: int,
         imbalance: Imbalance | None = None,
+        channels_last: bool = False,
     ):
         self.topology = topology
         self.engine = engine
         self.imbalance = imbalance
         torch.manual_seed(config.seed)
-        module, self.layout = build_model(model_fn, device, topology)
+        module, self.layout = build_model(model_fn, device, topology, channels_last)
         self.central = CentralModel(module, self.layout)
         topology.data.broadcast_(self.central.z)
         self.central.broadcast_extra_state(topology.data)
@@ -111,9 +114,9 @@ class Run:
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
-        self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
+        self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype, channels_last)
         group_sampler = GlobalSampler(self.num_samples, config.seed, 0, 1)
-        self.group_prefetcher = BatchPrefetcher(train_set, group_sampler, device, self.layout.dtype)
+        self.group_prefetcher = BatchPrefetcher(train_set, group_sampler, device, self.layout.dtype, channels_last)
         """Batches of this rank's slices of its group's steps (asynchronous algorithms' rounds)."""
         self.round_samples = config.round_samples
         """Samples per round of an asynchronous algorithm (0: `ROUND_STEPS` global steps')."""

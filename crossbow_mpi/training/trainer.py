@@ -31,6 +31,7 @@ from crossbow_mpi.parallel.partition import time_cut
 from crossbow_mpi.parallel.pipeline import build_pipeline, load_stages
 from crossbow_mpi.replicas.engines import build_engine, check_engine
 from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.formats import choose_channels_last
 from crossbow_mpi.runtime import process
 from crossbow_mpi.runtime.imbalance import parse_imbalance
 from crossbow_mpi.training import checkpoint
@@ -149,6 +150,16 @@ class Trainer:
         """The control scope: every rank of the job."""
         return self.topology.world
 
+    def _channels_last(self, model_fn, train_set, loss_fn) -> bool:
+        """Resolve `memory_format` on rank 0 (`auto` times a pass there) and give every rank its answer."""
+        cfg, world = self.config, self.topology.world
+        choice = None
+        if world.rank == 0:
+            sizes = cfg.batch_size if isinstance(cfg.batch_size, tuple) else (cfg.batch_size,)
+            batch = train_set.get_batch(torch.arange(min(sizes[0], len(train_set))))
+            choice = choose_channels_last(cfg.memory_format, model_fn, batch, loss_fn, self.device)
+        return world.bcast_json(choice)
+
     def start(
         self,
         model_fn: Callable[[], nn.Module],
@@ -172,7 +183,8 @@ class Trainer:
             )
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
-        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        channels_last = agree(world, lambda: self._channels_last(model_fn, train_set, loss_fn))
+        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance, channels_last)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
                 check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
@@ -294,6 +306,7 @@ class Trainer:
             "algorithm": run.algorithm.name,
             "threads_per_rank": self.threads,
             "device": str(self.device),
+            "memory_format": "channels_last" if run.layout.channels_last else "contiguous",
             "memory_bytes": self.topology.world.allgather_json(run.memory_bytes()),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
             **(
@@ -311,7 +324,7 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
         test_accuracy=accuracy,
         iterations=run.state.iteration,
         epochs=run.epoch_progress,
-        central=run.central.z.detach().cpu().clone(),
+        central=run.central.layout.to_logical(run.central.z.detach()).cpu(),
         learners=run.learners.k,
         preempted=preempted,
         _model_fn=run.learners.model_fn,
