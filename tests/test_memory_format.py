@@ -93,3 +93,22 @@ def test_a_channels_last_run_resumes_bit_for_bit_and_its_checkpoint_resumes_cont
     other = fit(comm, resume_config(interrupted, resume=True, **{**config, "memory_format": "contiguous"}))
     assert other.iterations == whole.iterations
     assert relative_error(other.central, whole.central) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"algorithm": "eager"},
+        {"algorithm": "omnivore"},
+        {"algorithm": "elastic"},
+        {"algorithm": "sma", "fused_step": True},
+    ],
+    ids=lambda settings: "-".join(map(str, settings.values())),
+)
+def test_every_algorithm_and_the_fused_steps_train_channels_last(comm, shared_tmp, settings):
+    run_dir = shared_tmp / "run"
+    result = fit(comm, resume_config(run_dir, epochs=1, memory_format="channels_last", **settings))
+    assert result.iterations > 0 and torch.isfinite(result.central).all()
+    assert metrics_records(comm, run_dir)[-1]["memory_format"] == "channels_last"
