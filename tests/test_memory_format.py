@@ -79,6 +79,7 @@ def interrupt_at_14(comm, run_dir) -> None:
     comm.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_a_channels_last_run_resumes_bit_for_bit_and_its_checkpoint_resumes_contiguous(comm, shared_tmp):
     config = {"algorithm": "sma", "epochs": 2, "memory_format": "channels_last"}
