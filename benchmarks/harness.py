@@ -288,7 +288,8 @@ def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
 
 def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
-    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s,
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
+    each evaluation's [epoch, samples/s],
     with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
     algorithm, each rank's (group's) updates over the run.
 
@@ -321,6 +322,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "time_limited": summary.get("time_limited", False),
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
+        "trajectory": [[r.get("epoch"), r["samples_per_s"]] for r in evaluations],
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),

@@ -1,7 +1,8 @@
 """A rank's memory by part: the bytes each of its tensors holds, and a learner's activations measured once.
 
 The parts are z and u, the learners' weights (their own columns: float buffers alone while they share z),
-gradients (with the sync message's room beside them, `Learners.staging`), momenta, the algorithm's message
+gradients (with the sync message's room beside them, `Learners.staging`), momenta, the optimizers' state (where
+z or the learners step with a torch.optim optimizer), the algorithm's message
 buffers beyond those, the activations that autograd saves for the backward pass (the peak: what a forward pass
 has saved when its backward pass starts, times the learners whose passes run at once) and the data prefetch.
 
@@ -54,6 +55,7 @@ def footprint(central, learners, algorithm, activations: int | None, concurrent:
         "learner_weights": _nbytes(learners.weights),
         "learner_grads": _nbytes(learners.staging),
         "learner_momenta": _nbytes(learners.momentum),
+        "optimizer_state": sum(_nbytes(t) for t in _optimizer_state(central.optimizer, learners.optimizers)),
         "message": message,
         "activations_peak": None if activations is None else activations * concurrent,
         "prefetch": batch_bytes,
@@ -64,8 +66,13 @@ def footprint(central, learners, algorithm, activations: int | None, concurrent:
 
 def bytes_per_learner(learners, activations: int | None) -> int:
     """Return what one more learner costs: its rows of weights, gradients and momenta, and its activations."""
-    rows = (learners.weights, learners.staging, learners.momentum)
-    return sum(t.shape[1] * t.element_size() for t in rows) + (activations or 0)
+    rows = (learners.weights, learners.staging, learners.momentum, *_optimizer_state(learners.optimizers))
+    return sum(t[0].numel() * t.element_size() for t in rows if len(t)) + (activations or 0)
+
+
+def _optimizer_state(*optimizers) -> list[torch.Tensor]:
+    """The state matrices of the optimizers that step z or the learners (where not momentum SGD)."""
+    return [t for optimizer in optimizers if optimizer is not None for t in optimizer.state.values()]
 
 
 def _distinct(tensors) -> list[torch.Tensor]:

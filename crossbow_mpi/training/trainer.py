@@ -23,7 +23,7 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.topology import Topology
-from crossbow_mpi.config import Config, ConfigError, per_rank, values
+from crossbow_mpi.config import Config, ConfigError, per_rank, refuse_recipe, values
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.control.omnivore_search import optimizes
 from crossbow_mpi.data.checks import check_samples
@@ -32,6 +32,7 @@ from crossbow_mpi.parallel.pipeline import build_pipeline, load_stages
 from crossbow_mpi.replicas.engines import build_engine, check_engine
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.formats import choose_channels_last
+from crossbow_mpi.replicas.optimizers import OptimizerFn, check_optimizer_fn, config_optimizer_fn
 from crossbow_mpi.runtime import process
 from crossbow_mpi.runtime.imbalance import parse_imbalance
 from crossbow_mpi.training import checkpoint
@@ -167,10 +168,15 @@ class Trainer:
         loss_fn=F.cross_entropy,
         test_set=None,
         output_fn: OutputFn | None = None,
+        optimizer_fn: OptimizerFn | None = None,
     ) -> Run:
         """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
-        a few samples of each dataset against the model first."""
+        a few samples of each dataset against the model first. `optimizer_fn(params)` (a torch.optim optimizer)
+        steps what the algorithm steps instead of `--optimizer` (crossbow_mpi.replicas.optimizers)."""
         cfg, world = self.config, self.topology.world
+        if optimizer_fn is not None:
+            refuse_recipe(cfg, "optimizer_fn")
+            agree(world, functools.partial(check_optimizer_fn, optimizer_fn))
         learners = cfg.learners if isinstance(cfg.learners, int) else 1
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         _check_same_datasets(world, train_set, test_set)
@@ -184,7 +190,19 @@ class Trainer:
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
         channels_last = agree(world, lambda: self._channels_last(model_fn, train_set, loss_fn))
-        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance, channels_last)
+        optimizer_fn = optimizer_fn or config_optimizer_fn(cfg)
+        run = Run(
+            cfg,
+            self.topology,
+            engine,
+            self.device,
+            model_fn,
+            train_set,
+            learners,
+            self.imbalance,
+            optimizer_fn,
+            channels_last,
+        )
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
                 check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
@@ -199,6 +217,7 @@ class Trainer:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
         output_fn: OutputFn | None = None,
         controllers: Sequence[Controller] = (),
+        optimizer_fn: OptimizerFn | None = None,
     ) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
@@ -208,10 +227,10 @@ class Trainer:
         cfg, world = self.config, self.topology.world
         rendezvous(world, cfg.collective_timeout, "Trainer.fit")
         agree(world, lambda: _check_test_set(test_set))
-        run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
+        run = self.start(model_fn, train_set, loss_fn, test_set, output_fn, optimizer_fn)
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
         if cfg.adaptive_batch:
-            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
+            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs)
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
