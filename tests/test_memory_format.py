@@ -11,6 +11,8 @@ from crossbow_mpi import Trainer
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.formats import choose_channels_last
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.optimizers import adamw
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
 from helpers import metrics_records, mlp, resume_config
@@ -81,8 +83,9 @@ def interrupt_at_14(comm, run_dir) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
-def test_a_channels_last_run_resumes_bit_for_bit_and_its_checkpoint_resumes_contiguous(comm, shared_tmp):
-    config = {"algorithm": "sma", "epochs": 2, "memory_format": "channels_last"}
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_channels_last_run_resumes_bit_for_bit_and_its_checkpoint_resumes_contiguous(comm, shared_tmp, optimizer):
+    config = {"algorithm": "sma", "epochs": 2, "memory_format": "channels_last", "optimizer": optimizer}
     whole = fit(comm, resume_config(shared_tmp / "whole", **config))
     interrupted = shared_tmp / "interrupted"
     fit(comm, resume_config(interrupted, **config))
@@ -93,7 +96,8 @@ def test_a_channels_last_run_resumes_bit_for_bit_and_its_checkpoint_resumes_cont
     interrupt_at_14(comm, interrupted)
     other = fit(comm, resume_config(interrupted, resume=True, **{**config, "memory_format": "contiguous"}))
     assert other.iterations == whole.iterations
-    assert relative_error(other.central, whole.central) < 1e-5
+    # AdamW's normalised steps amplify the formats' rounding (7 % apart after 32 steps uninterrupted, here)
+    assert relative_error(other.central, whole.central) < (1e-5 if optimizer == "sgd" else 0.2)
 
 
 @pytest.mark.slow
@@ -113,3 +117,20 @@ def test_every_algorithm_and_the_fused_steps_train_channels_last(comm, shared_tm
     result = fit(comm, resume_config(run_dir, epochs=1, memory_format="channels_last", **settings))
     assert result.iterations > 0 and torch.isfinite(result.central).all()
     assert metrics_records(comm, run_dir)[-1]["memory_format"] == "channels_last"
+
+
+def test_optimizer_state_is_checkpointed_in_the_weights_contiguous_order():
+    torch.manual_seed(0)
+    model = convnet()
+    layout = FlatLayout(model, channels_last=True)
+    learners = Learners(convnet, layout, CentralModel(model, layout), 2)
+    learners.use_optimizer(adamw(0.9, 0.999, 1e-8, 0.0))
+    learners.params.normal_()
+    assert learners.optimizers is not None
+    learners.optimizers.state = {"exp_avg": learners.params.clone()}  # a state laid out as the weights are
+    state = learners.state_dict()
+    num_params = layout.num_params
+    assert torch.equal(state["optimizer"]["exp_avg"], state["weights"][:, :num_params])
+    assert not torch.equal(state["optimizer"]["exp_avg"], learners.params), "the conv weights are reordered"
+    learners.load_state_dict(state, learners.central.z)
+    assert torch.equal(learners.optimizers.state["exp_avg"], learners.params)
