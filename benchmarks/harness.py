@@ -247,13 +247,15 @@ def _mpirun() -> str:
     return found
 
 
-def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None) -> str:
-    """Run `python ARGS` on `ranks` MPI ranks from the repository root; return stdout; raise if it fails or hangs."""
+def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None, flags: tuple[str, ...] = ()) -> str:
+    """Run `python ARGS` on `ranks` MPI ranks (mpirun `flags` besides) from the repository root; return stdout;
+    raise if it fails or hangs."""
     command = [
         "timeout",
         "--kill-after=10",
         str(math.ceil(timeout)),
         _mpirun(),
+        *flags,
         "-n",
         str(ranks),
         "--oversubscribe",

@@ -24,6 +24,10 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
 """The algorithms without `--optimizer adamw` and `--clip-grad-norm`: omnivore's and hogbatch's steps are the model
 server's, and auto may switch to them."""
+RANK_LOSS = ("abort", "continue")
+RANK_LOSS_LR = ("keep", "linear")
+SURVIVING_ALGORITHMS = ("sma", "ssgd")
+"""The algorithms that `--on-rank-loss continue` applies to (their sync is one blocking allreduce)."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
@@ -43,6 +47,7 @@ POSITIVE = (
     "batch_min",
     "batch_max",
     "batch_step",
+    "min_ranks",
 )
 """Fields that must be positive (every per-rank value)."""
 NON_NEGATIVE = (
@@ -216,6 +221,15 @@ class Config:
     collective_timeout: float = 300.0
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
     seconds because a rank stopped taking part (0: never)."""
+    on_rank_loss: str = "abort"
+    """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (`sma`,
+    `ssgd`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step in flight is dropped, the run
+    goes on from the last step every survivor completed, and a checkpoint is written."""
+    min_ranks: int = 1
+    """With `on_rank_loss continue`: when fewer ranks survive, write a checkpoint and exit 75 (resume reshards)."""
+    rank_loss_lr: str = "keep"
+    """With `on_rank_loss continue`: the learning rate after going from P to P' ranks, whose aggregate batch is
+    P'/P of the old one: `keep` it, or scale it by P'/P (`linear`, Goyal et al. 2017's linear scaling rule)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or one of these per rank (`cuda,cpu,cpu`); `mixed`:
     the node's first ranks on its GPUs, one each, the rest on CPU cores. A rank's GPU is chosen by its local rank."""
@@ -310,6 +324,8 @@ class Config:
             "cut": CUTS,
             "optimizer": OPTIMIZERS,
             "lr_schedule": LR_SCHEDULES,
+            "on_rank_loss": RANK_LOSS,
+            "rank_loss_lr": RANK_LOSS_LR,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -363,6 +379,11 @@ class Config:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.fused_step and self.algorithm not in FUSED_ALGORITHMS:
             raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
+        if self.on_rank_loss == "continue" and self.algorithm not in SURVIVING_ALGORITHMS:
+            raise ConfigError(
+                f"--on-rank-loss continue applies to --algorithm {' and '.join(SURVIVING_ALGORITHMS)}, not "
+                f"{self.algorithm}: its ranks exchange messages from threads of their own"
+            )
         if self.compile and self.pipeline_stages > 1:
             raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
         if not 0 <= self.target_accuracy <= 1:

@@ -9,6 +9,7 @@ import pytest
 from helpers import REPO
 
 COLUMNS = {
+    "faults": {"fault_at", "path", "reached", "wall_s", "lost_s", "recovery_s"},
     "tta": {"layout", "phase", "role", "system", "k", "alpha", "b", "lr", "reached", "tta_s", "min", "max"}
     | {"epochs", "samples_per_s", "vs_ddp_best", "vs_ddp_same"},
     "stat_efficiency": {"phase", "algorithm", "aggregate", "k", "b", "lr", "alpha_rule", "alpha", "reached", "epochs"}

@@ -37,6 +37,7 @@ def choose_channels_last(
                 param.data = param.data.contiguous(
                     memory_format=torch.channels_last if channels_last else torch.contiguous_format
                 )
+        model.zero_grad(set_to_none=True)  # a gradient of the other format would be accumulated into
         x = to_format(inputs, channels_last)
         times = []
         for _ in range(TIMED_PASSES + 1):
