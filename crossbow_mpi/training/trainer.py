@@ -157,6 +157,8 @@ class Trainer:
     def _channels_last(self, model_fn, train_set, loss_fn) -> bool | None:
         """Resolve `memory_format` on rank 0 (`auto` times a pass of the whole model there); None on other ranks."""
         cfg = self.config
+        if cfg.memory_format != "auto":
+            return cfg.memory_format == "channels_last"  # without touching the data (a sampler's dataset records)
         if self.topology.world.rank != 0:
             return None
         sizes = cfg.batch_size if isinstance(cfg.batch_size, tuple) else (cfg.batch_size,)
