@@ -36,6 +36,7 @@ COLUMNS = {
         "matmul_gflops",
         "fraction",
     },
+    "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
