@@ -32,7 +32,7 @@ def mlp() -> nn.Module:
 
 
 def sma_step(fused: bool, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
-    """Return (w, v, staged corrections, z, u) after one step of SMA (local steps and sync) on random rows."""
+    """Return (w, v, the staged corrections before the sync, z, u) after one SMA step on random rows."""
     torch.manual_seed(0)
     layout = FlatLayout(mlp().to(dtype))
     central = CentralModel(mlp().to(dtype), layout)
@@ -46,8 +46,9 @@ def sma_step(fused: bool, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor,
     sma.allocate_message()
     learners.grads.normal_(std=1e-2)
     sma.local_step(slice(None), lr=0.05)
+    corrections = sma.staged[:, : layout.num_params].clone()  # the sync sums the rows into the first
     sma.sync(lr=0.05)
-    return learners.params, learners.momentum, sma.staged[:, : layout.num_params], central.z, central.u
+    return learners.params, learners.momentum, corrections, central.z, central.u
 
 
 def ssgd_step(fused: bool, dtype: torch.dtype, k: int = 3) -> tuple[torch.Tensor, ...]:
