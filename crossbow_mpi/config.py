@@ -18,6 +18,8 @@ PRECISIONS = ("fp32", "bf16")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
+OUTER_OPTIMIZERS = ("central", "nesterov", "sgd")
+SYNC_DTYPES = ("fp32", "bf16", "fp16")
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
@@ -37,6 +39,7 @@ POSITIVE = (
     "batch_min",
     "batch_max",
     "batch_step",
+    "sync_every",
 )
 """Fields that must be positive (every per-rank value)."""
 NON_NEGATIVE = (
@@ -57,6 +60,8 @@ NON_NEGATIVE = (
     "collective_timeout",
     "round_samples",
     "optimizer_epoch",
+    "outer_lr",
+    "outer_momentum",
 )
 """Fields that must not be negative (every per-rank value)."""
 
@@ -132,6 +137,21 @@ class Config:
     central_momentum_always: bool = False
     """SMA: apply `central_momentum` also when the learners' `momentum` is 0 (CROSSBOW applies it only with learner
     momentum)."""
+    sync_every: int = 1
+    """SMA: local steps H between syncs (1: every step, CROSSBOW's SMA). Between syncs every learner takes plain
+    momentum-SGD steps and nothing crosses the network."""
+    outer_optimizer: str = "central"
+    """SMA: what a sync does to z. `central`: SMA's correction and central momentum step, applied at the sync steps
+    only (EASGD's communication period); `nesterov` or `sgd`: torch.optim.SGD's step (with Nesterov momentum or
+    without) of z on the pseudo-gradient z − mean(w) over every learner, then every learner restarts from z
+    (DiLoCo, as torchft's local_sgd.py)."""
+    outer_lr: float = 0.7
+    """SMA with `outer_optimizer` nesterov or sgd: the outer step size (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """SMA with `outer_optimizer` nesterov or sgd: the outer momentum (DiLoCo's 0.9; 0: none)."""
+    sync_dtype: str = "fp32"
+    """SMA: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each rank's payload is
+    cast for the wire and the sums are taken in float32."""
     merge_momentum: float = 0.0
     """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
     step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""
@@ -229,6 +249,7 @@ class Config:
         self._validate_signs()
         self._validate_batches()
         self._validate_training()
+        self._validate_sync()
 
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -252,6 +273,8 @@ class Config:
             "comm": COMMS,
             "hierarchy": HIERARCHIES,
             "precision": PRECISIONS,
+            "outer_optimizer": OUTER_OPTIMIZERS,
+            "sync_dtype": SYNC_DTYPES,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
             "eager_mode": EAGER_MODES,
@@ -324,6 +347,24 @@ class Config:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
+
+    def _validate_sync(self) -> None:
+        changed = [
+            f"--{_flag(name)}"
+            for name in ("sync_every", "outer_optimizer", "sync_dtype")
+            if getattr(self, name) != getattr(Config, name)
+        ]
+        if changed and self.algorithm == "ssgd":
+            raise ConfigError(
+                f"{changed[0]} applies to --algorithm sma, not ssgd: S-SGD syncs gradients every step; use --algorithm "
+                "sma --outer-optimizer nesterov (at --sync-every 1, --outer-lr 1, --outer-momentum 0 it is S-SGD)"
+            )
+        if changed and self.algorithm != "sma":
+            raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
+        if not self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must be below 1, got {self.outer_momentum}")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
 
     def _validate_groups(self) -> None:
         if self.groups == "auto" and self.learners == "auto":

@@ -8,6 +8,13 @@ Sync, every iteration:
     model's momentum is above 0; `--central-momentum-always` applies it regardless)
 At a learning-rate drop every learner is reset to z.
 
+With `--sync-every H` the ranks sync every H-th step only. `central` keeps the equations above but applies the
+correction (α) at the sync steps only, as EASGD's communication period τ (Zhang, Choromanska and LeCun,
+arXiv 1412.6651, Algorithm 1); between syncs every learner takes plain momentum-SGD steps (α = 0). With
+`--outer-optimizer nesterov|sgd`, the sync reduces the learners' mean m instead, z takes one outer step on
+Δ = z − m (crossbow_mpi.algorithms.outer) and every learner restarts from z, keeping its momentum.
+BatchNorm statistics are averaged at every sync either way.
+
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
 `--fused-step` the learners' update, correction and staging run as one fused kernel, and the central update as
 another, with the same bits (crossbow_mpi.replicas.kernels).
@@ -18,31 +25,55 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.algorithms.outer import outer_step
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
 
 
 class SynchronousModelAveraging(Algorithm):
     name = "sma"
-    overlaps_sync = True
     fused_update: SmaUpdate | None = None
     """The fused learner step (`--fused-step`), or None for the in-place sequence (the same bits)."""
     fused_central: SmaCentralUpdate | None = None
     """The fused central step (`--fused-step`), or None for the in-place sequence (the same bits)."""
+
+    since_sync = 0
+    """Local steps taken since the last sync."""
+
+    @property
+    def overlaps_sync(self) -> bool:  # type: ignore[override]
+        return self.hp.outer_optimizer == "central"
+
+    @property
+    def syncs_now(self) -> bool:
+        """Whether the current step ends with a sync (every H-th step)."""
+        return self.since_sync + 1 >= self.hp.sync_every
+
+    @property
+    def alpha(self) -> float:
+        """α at this step: SMA's at the sync steps of `central`, else 0 (no pull towards z between syncs)."""
+        return self.hp.alpha if self.syncs_now and self.hp.outer_optimizer == "central" else 0.0
 
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners, z = self.hp, self.learners, self.central.params
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
         corrections = self.staged_rows(rows)
         if self.fused_update is not None:
-            self.fused_update(w, v, g, z, corrections, lr, hp.weight_decay, hp.momentum, hp.alpha)
+            self.fused_update(w, v, g, z, corrections, lr, hp.weight_decay, hp.momentum, self.alpha)
             return
         g.add_(w, alpha=hp.weight_decay)
         v.mul_(hp.momentum).sub_(g, alpha=lr)
-        torch.sub(w, z, out=corrections).mul_(hp.alpha)
+        torch.sub(w, z, out=corrections).mul_(self.alpha)
         w.add_(v).sub_(corrections)
 
     def sync(self, lr: float) -> None:
         central, hp = self.central, self.hp
+        if not self.syncs_now:
+            self.since_sync += 1
+            return
+        self.since_sync = 0
+        if hp.outer_optimizer != "central":
+            self.outer_sync()
+            return
         dz, _ = self.allreduce_staged()
         central_momentum = hp.central_momentum if hp.momentum > 0 or hp.central_momentum_always else 0.0
         if self.fused_central is not None:
@@ -52,5 +83,20 @@ class SynchronousModelAveraging(Algorithm):
         central.u.copy_(dz)
         central.params.add_(dz)
 
+    def outer_sync(self) -> None:
+        """Reduce the learners' mean, step z on the pseudo-gradient z − mean, restart every learner from z."""
+        hp, central, learners = self.hp, self.central, self.learners
+        torch.mul(learners.params, self.weight, out=self.staged[:, : learners.layout.num_params])
+        total, carried = self.allreduce_staged()
+        delta = torch.sub(central.params, total.div_(carried))
+        outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
+        learners.reset_to(central.z)
+
     def on_lr_drop(self) -> None:
         self.learners.reset_to(self.central.z)
+
+    def state_dict(self) -> dict:
+        return {"since_sync": self.since_sync}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.since_sync = state.get("since_sync", 0)

@@ -87,6 +87,16 @@ class HyperParams(_Serialised):
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
     central_momentum_always: bool = False
     """SMA: apply μ_z also when the learners' μ is 0 (CROSSBOW applies it only with learner momentum)."""
+    sync_every: int = 1
+    """SMA: local steps H between syncs."""
+    outer_optimizer: str = "central"
+    """SMA: what a sync does to z: `central` (SMA's step), `nesterov` or `sgd` (on the pseudo-gradient)."""
+    outer_lr: float = 0.7
+    """SMA: the outer optimizer's step size."""
+    outer_momentum: float = 0.9
+    """SMA: the outer optimizer's momentum."""
+    sync_dtype: str = "fp32"
+    """SMA: the sync message's type on the wire (`fp32`, `bf16`, `fp16`); sums are taken in float32."""
 
     @classmethod
     def from_config(cls, config) -> HyperParams:

@@ -1,0 +1,23 @@
+"""The outer optimizer of local-step SMA (DiLoCo; Douillard et al., arXiv 2311.08105, as torchft's
+torchft/local_sgd.py implements it): after H local steps the learners' mean m is reduced and z takes one
+torch.optim.SGD step on the pseudo-gradient Δ = z − m, then every learner restarts from z.
+
+    nesterov:  u ← μ_o u + Δ;  z ← z − η_o (Δ + μ_o u)
+    sgd:       u ← μ_o u + Δ;  z ← z − η_o u
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def outer_step(kind: str, delta: torch.Tensor, z: torch.Tensor, u: torch.Tensor, lr: float, momentum: float) -> None:
+    """Move z by one SGD step of `kind` (`nesterov` or `sgd`) on the pseudo-gradient `delta` (overwritten), with the
+    momentum buffer u."""
+    if momentum > 0:
+        u.mul_(momentum).add_(delta)
+        if kind == "nesterov":
+            delta.add_(u, alpha=momentum)
+        else:
+            delta = u
+    z.sub_(delta, alpha=lr)
