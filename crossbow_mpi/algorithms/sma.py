@@ -84,19 +84,23 @@ class SynchronousModelAveraging(Algorithm):
         central.params.add_(dz)
 
     def outer_sync(self) -> None:
-        """Reduce the learners' mean, step z on the pseudo-gradient z − mean, restart every learner from z."""
+        """Reduce the pseudo-gradient z − mean(w) (as differences, which a low-precision wire carries better than
+        weights), step z on it, restart every learner from z."""
         hp, central, learners = self.hp, self.central, self.learners
-        torch.mul(learners.params, self.weight, out=self.staged[:, : learners.layout.num_params])
+        torch.sub(central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
         total, carried = self.allreduce_staged()
-        delta = torch.sub(central.params, total.div_(carried))
+        delta = total.div_(carried)
         outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
         learners.reset_to(central.z)
 
     def on_lr_drop(self) -> None:
         self.learners.reset_to(self.central.z)
 
+    def statistics(self) -> dict:
+        return {"comm_bytes": self.comm_bytes}
+
     def state_dict(self) -> dict:
-        return {"since_sync": self.since_sync}
+        return {"since_sync": self.since_sync, "comm_bytes": self.comm_bytes}
 
     def load_state_dict(self, state: dict) -> None:
-        self.since_sync = state.get("since_sync", 0)
+        self.since_sync, self.comm_bytes = state.get("since_sync", 0), state.get("comm_bytes", 0)

@@ -295,6 +295,7 @@ class Trainer:
             "threads_per_rank": self.threads,
             "device": str(self.device),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
+            **({"comm_bytes": record["comm_bytes"]} if "comm_bytes" in record else {}),
             **(
                 {"optimizer_s": state.optimizer_s, "optimizer_share": state.optimizer_s / max(elapsed_s, 1e-9)}
                 if optimizes(self.config)
