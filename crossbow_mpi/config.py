@@ -62,6 +62,7 @@ NON_NEGATIVE = (
     "optimizer_epoch",
     "outer_lr",
     "outer_momentum",
+    "sync_every_node",
 )
 """Fields that must not be negative (every per-rank value)."""
 
@@ -140,6 +141,9 @@ class Config:
     sync_every: int = 1
     """SMA: local steps H between syncs (1: every step, CROSSBOW's SMA). Between syncs every learner takes plain
     momentum-SGD steps and nothing crosses the network."""
+    sync_every_node: int = 0
+    """SMA with `--hierarchy node`: between the syncs, the learners of each node average their parameters every
+    this many steps over the node's fast links (0: never); the syncs across nodes stay every `sync_every` steps."""
     outer_optimizer: str = "central"
     """SMA: what a sync does to z. `central`: SMA's correction and central momentum step, applied at the sync steps
     only (EASGD's communication period); `nesterov` or `sgd`: torch.optim.SGD's step (with Nesterov momentum or
@@ -351,7 +355,7 @@ class Config:
     def _validate_sync(self) -> None:
         changed = [
             f"--{_flag(name)}"
-            for name in ("sync_every", "outer_optimizer", "sync_dtype")
+            for name in ("sync_every", "sync_every_node", "outer_optimizer", "sync_dtype")
             if getattr(self, name) != getattr(Config, name)
         ]
         if changed and self.algorithm == "ssgd":
@@ -361,6 +365,13 @@ class Config:
             )
         if changed and self.algorithm != "sma":
             raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
+        if self.sync_every_node and self.sync_every_node >= self.sync_every:
+            raise ConfigError(
+                f"--sync-every-node {self.sync_every_node} must be below --sync-every {self.sync_every}: the node "
+                "averages between the syncs across nodes"
+            )
+        if self.sync_every_node and self.hierarchy == "flat":
+            raise ConfigError("--sync-every-node needs --hierarchy node (or auto over several nodes)")
         if not self.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum must be below 1, got {self.outer_momentum}")
         if not self.outer_lr > 0:

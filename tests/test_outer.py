@@ -8,17 +8,20 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, Trainer
+from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler
+from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import BATCH, STEPS, datasets, mlp, mlp_bn_float64, run_config
+from helpers import BATCH, STEPS, datasets, mlp, mlp_bn_float64, resume_config, resume_fit, run_config
 from reference import load_state, relative_error, sgd_reference, state_of
 
 
-def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int) -> torch.Tensor:
+def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, node_of=None) -> torch.Tensor:
     """Return z after STEPS steps of SMA syncing every `cfg.sync_every` steps with `cfg.outer_optimizer`: learner by
     learner, momentum SGD between syncs; at a sync SMA's step with α (central), or one torch.optim.SGD step on
-    z − mean(w) after which every learner restarts from z (nesterov, sgd)."""
+    z − mean(w) after which every learner restarts from z (nesterov, sgd); with `node_of`, every
+    `cfg.sync_every_node`-th step between syncs the learners of a node take their mean parameters."""
     torch.manual_seed(cfg.seed)
     module = model_fn()
     z = state_of(module).detach()
@@ -45,6 +48,8 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int) -
             corrections.append(alpha * (w - z[:n]))
             states[(r, j)] = torch.cat([w + velocity[(r, j)] - corrections[-1], after[n:]])
         if not syncs:
+            if node_of and ((step + 1) % cfg.sync_every) % cfg.sync_every_node == 0:
+                average_within_nodes(states, n, node_of)
             continue
         buffers = torch.stack([s[n:] for s in states.values()]).mean(0)
         if cfg.outer_optimizer == "central":
@@ -57,6 +62,28 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int) -
         z = torch.cat([z[:n] - cfg.outer_lr * step_dir, buffers])
         states = {key: z.clone() for key in keys}
     return z
+
+
+def average_within_nodes(states: dict, n: int, node_of) -> None:
+    for node in {node_of(r) for r, _ in states}:
+        keys = [key for key in states if node_of(key[0]) == node]
+        mean = torch.stack([states[key][:n] for key in keys]).mean(0)
+        for key in keys:
+            states[key] = torch.cat([mean, states[key][n:]])
+
+
+def pairs(rank: int) -> int:
+    return rank // 2
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("outer", ["central", "nesterov"])
+def test_nodes_average_every_step_and_sync_across_nodes_every_h(comm, shared_tmp, outer):
+    train, test = datasets(comm.size, 2)
+    cfg = run_config(shared_tmp, learners=2, sync_every=4, sync_every_node=1, outer_optimizer=outer)
+    result = Trainer(cfg, HierarchicalCommunicator(comm.mpi_comm, pairs)).fit(mlp_bn_float64, train, test)
+    reference = local_sma_reference(mlp_bn_float64, cfg, train, comm.size, 2, pairs)
+    assert relative_error(result.central, reference) < 1e-6
 
 
 @pytest.mark.mpi(min_size=1)
@@ -94,6 +121,8 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"outer_momentum": 1.0}, "--outer-momentum must be below 1"),
         ({"outer_lr": 0.0}, "--outer-lr must be positive"),
         ({"sync_dtype": "int4"}, "--sync-dtype: unknown value 'int4'"),
+        ({"sync_every": 4, "sync_every_node": 4, "hierarchy": "node"}, "--sync-every-node 4 must be below"),
+        ({"sync_every": 4, "sync_every_node": 1, "hierarchy": "flat"}, "--sync-every-node needs --hierarchy node"),
     ],
 )
 def test_bad_sync_settings_are_refused_in_one_line(overrides, message):
@@ -101,3 +130,21 @@ def test_bad_sync_settings_are_refused_in_one_line(overrides, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         Config(**overrides).validate(ALGORITHMS)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi(min_size=1)
+def test_resume_between_syncs_is_bit_identical_and_reshards(comm, shared_tmp):
+    local = {"sync_every": 5, "outer_optimizer": "nesterov"}
+    whole = resume_fit(comm, resume_config(shared_tmp / "whole", **local))
+    interrupted_dir = shared_tmp / "interrupted"
+    resume_fit(comm, resume_config(interrupted_dir, **local))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted_dir)):
+            if path.name > "checkpoint-000000021.h5":  # 21 = 4 syncs + 1 local step
+                path.unlink()
+    comm.barrier()
+    resumed = resume_fit(comm, resume_config(interrupted_dir, resume=True, **local))
+    assert resumed.iterations == whole.iterations and torch.equal(resumed.central, whole.central)
+    resharded = resume_fit(comm, resume_config(interrupted_dir, resume=True, learners=3, **local))
+    assert resharded.iterations == whole.iterations and torch.isfinite(resharded.central).all()

@@ -163,7 +163,12 @@ class Algorithm:
         if wire == torch.float16 and scope.size > 1 and not self.comm_bytes:
             self.refuse_overflow(message, scope)
         scope.allreduce_cast_(message, wire)
-        self.comm_bytes += 2 * (scope.size - 1) * message.numel() * wire.itemsize // scope.size
+        self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)
         return message[:num_params], carried
+
+
+def ring_bytes(ranks: int, payload: int) -> int:
+    """Bytes each rank sends in a ring allreduce of `payload` bytes over `ranks` ranks: 2 (P − 1) / P of it."""
+    return 2 * (ranks - 1) * payload // ranks

@@ -13,7 +13,9 @@ correction (α) at the sync steps only, as EASGD's communication period τ (Zhan
 arXiv 1412.6651, Algorithm 1); between syncs every learner takes plain momentum-SGD steps (α = 0). With
 `--outer-optimizer nesterov|sgd`, the sync reduces the learners' mean m instead, z takes one outer step on
 Δ = z − m (crossbow_mpi.algorithms.outer) and every learner restarts from z, keeping its momentum.
-BatchNorm statistics are averaged at every sync either way.
+BatchNorm statistics are averaged at every sync either way. With `--sync-every-node Hn` (`--hierarchy node`)
+the learners of each node also average their parameters every Hn-th step between the syncs, over the node's fast
+links; the syncs across nodes stay every H steps.
 
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
 `--fused-step` the learners' update, correction and staging run as one fused kernel, and the central update as
@@ -24,9 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from crossbow_mpi.algorithms.base import Algorithm
+from crossbow_mpi.algorithms.base import Algorithm, ring_bytes
 from crossbow_mpi.algorithms.outer import outer_step
+from crossbow_mpi.comm import Communicator
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
+from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.state import HyperParams
 
 
 class SynchronousModelAveraging(Algorithm):
@@ -36,12 +42,16 @@ class SynchronousModelAveraging(Algorithm):
     fused_central: SmaCentralUpdate | None = None
     """The fused central step (`--fused-step`), or None for the in-place sequence (the same bits)."""
 
-    since_sync = 0
-    """Local steps taken since the last sync."""
+    def __init__(self, hp: HyperParams, transport: Communicator, central: CentralModel, learners: Learners):
+        super().__init__(hp, transport, central, learners)
+        if hp.sync_every_node and not hasattr(transport, "node"):
+            raise ConfigError("--sync-every-node needs the ranks grouped by node: pass --hierarchy node")
+        self.since_sync = 0
+        """Local steps taken since the last sync."""
 
     @property
     def overlaps_sync(self) -> bool:  # type: ignore[override]
-        return self.hp.outer_optimizer == "central"
+        return self.hp.outer_optimizer == "central" and not self.hp.sync_every_node
 
     @property
     def syncs_now(self) -> bool:
@@ -69,6 +79,8 @@ class SynchronousModelAveraging(Algorithm):
         central, hp = self.central, self.hp
         if not self.syncs_now:
             self.since_sync += 1
+            if hp.sync_every_node and self.since_sync % hp.sync_every_node == 0:
+                self.node_sync()
             return
         self.since_sync = 0
         if hp.outer_optimizer != "central":
@@ -92,6 +104,15 @@ class SynchronousModelAveraging(Algorithm):
         delta = total.div_(carried)
         outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
         learners.reset_to(central.z)
+
+    def node_sync(self) -> None:
+        """Average the learners' parameters within this rank's node (`--sync-every-node`): every learner becomes the
+        node's mean; z, the buffers and the momenta stay."""
+        learners, node = self.learners, self.transport.node  # type: ignore[attr-defined]
+        message = torch.cat([learners.params.sum(0), learners.params.new_tensor([learners.k])])
+        node.allreduce_sum_(message)
+        self.comm_bytes += ring_bytes(node.size, message.numel() * message.element_size())
+        learners.params.copy_((message[:-1] / message[-1]).expand_as(learners.params))
 
     def on_lr_drop(self) -> None:
         self.learners.reset_to(self.central.z)

@@ -89,6 +89,8 @@ class HyperParams(_Serialised):
     """SMA: apply μ_z also when the learners' μ is 0 (CROSSBOW applies it only with learner momentum)."""
     sync_every: int = 1
     """SMA: local steps H between syncs."""
+    sync_every_node: int = 0
+    """SMA with `hierarchy` node: local steps between averagings within the node (0: none)."""
     outer_optimizer: str = "central"
     """SMA: what a sync does to z: `central` (SMA's step), `nesterov` or `sgd` (on the pseudo-gradient)."""
     outer_lr: float = 0.7
