@@ -40,6 +40,7 @@ POSITIVE = (
     "batch_max",
     "batch_step",
     "sync_every",
+    "fragments",
 )
 """Fields that must be positive (every per-rank value)."""
 NON_NEGATIVE = (
@@ -153,6 +154,10 @@ class Config:
     """SMA with `outer_optimizer` nesterov or sgd: the outer step size (DiLoCo's 0.7)."""
     outer_momentum: float = 0.9
     """SMA with `outer_optimizer` nesterov or sgd: the outer momentum (DiLoCo's 0.9; 0: none)."""
+    fragments: int = 1
+    """SMA with `outer_optimizer` nesterov or sgd: cut the parameters into this many runs of whole tensors and sync
+    one run at a time, round-robin, every `sync_every` / `fragments` steps, so that each run syncs every
+    `sync_every` steps and a sync sends about 1/`fragments` of the model (Streaming DiLoCo)."""
     sync_dtype: str = "fp32"
     """SMA: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each rank's payload is
     cast for the wire and the sums are taken in float32."""
@@ -355,7 +360,7 @@ class Config:
     def _validate_sync(self) -> None:
         changed = [
             f"--{_flag(name)}"
-            for name in ("sync_every", "sync_every_node", "outer_optimizer", "sync_dtype")
+            for name in ("sync_every", "sync_every_node", "outer_optimizer", "fragments", "sync_dtype")
             if getattr(self, name) != getattr(Config, name)
         ]
         if changed and self.algorithm == "ssgd":
@@ -365,6 +370,13 @@ class Config:
             )
         if changed and self.algorithm != "sma":
             raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
+        if self.fragments > 1 and self.outer_optimizer == "central":
+            raise ConfigError("--fragments needs --outer-optimizer nesterov or sgd: `central` moves every parameter")
+        if self.sync_every % self.fragments:
+            raise ConfigError(
+                f"--fragments {self.fragments} must divide --sync-every {self.sync_every}: one fragment syncs every "
+                "H/F steps"
+            )
         if self.sync_every_node and self.sync_every_node >= self.sync_every:
             raise ConfigError(
                 f"--sync-every-node {self.sync_every_node} must be below --sync-every {self.sync_every}: the node "

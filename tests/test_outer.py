@@ -31,8 +31,10 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, n
     states = {key: z.clone() for key in keys}
     velocity = {key: torch.zeros_like(u) for key in keys}
     order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
+    runs = tensor_runs([p.numel() for p in module.parameters()], cfg.fragments)
+    period = cfg.sync_every // cfg.fragments
     for step in range(STEPS):
-        syncs = (step + 1) % cfg.sync_every == 0
+        syncs = (step + 1) % period == 0
         alpha = cfg.alpha if syncs and cfg.outer_optimizer == "central" else 0.0
         corrections = []
         for r, j in keys:
@@ -56,12 +58,24 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, n
             u = torch.stack(corrections).sum(0) + cfg.central_momentum * u
             z = torch.cat([z[:n] + u, buffers])
             continue
-        delta = z[:n] - torch.stack([s[:n] for s in states.values()]).mean(0)
-        u = cfg.outer_momentum * u + delta
-        step_dir = delta + cfg.outer_momentum * u if cfg.outer_optimizer == "nesterov" else u
-        z = torch.cat([z[:n] - cfg.outer_lr * step_dir, buffers])
-        states = {key: z.clone() for key in keys}
+        cols = runs[((step + 1) // period - 1) % cfg.fragments]
+        delta = z[cols] - torch.stack([s[cols] for s in states.values()]).mean(0)
+        u[cols] = cfg.outer_momentum * u[cols] + delta
+        step_dir = delta + cfg.outer_momentum * u[cols] if cfg.outer_optimizer == "nesterov" else u[cols]
+        z = torch.cat([z[:n], buffers])
+        z[cols] -= cfg.outer_lr * step_dir
+        for key, state in states.items():
+            states[key] = torch.cat([state[:n], z[n:]])
+            states[key][cols] = z[cols]
     return z
+
+
+def tensor_runs(sizes: list[int], fragments: int) -> list[slice]:
+    """The columns of `fragments` runs of whole tensors, in order, the first runs one tensor longer if need be."""
+    per, extra = divmod(len(sizes), fragments)
+    counts = [per + (f < extra) for f in range(fragments)]
+    ends = [sum(sizes[: sum(counts[: f + 1])]) for f in range(fragments)]
+    return [slice(0 if f == 0 else ends[f - 1], ends[f]) for f in range(fragments)]
 
 
 def average_within_nodes(states: dict, n: int, node_of) -> None:
@@ -88,12 +102,19 @@ def test_nodes_average_every_step_and_sync_across_nodes_every_h(comm, shared_tmp
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize(
-    "outer, learners, lr, momentum", [("central", 2, 0.7, 0.9), ("nesterov", 2, 0.7, 0.9), ("sgd", 1, 0.5, 0.5)]
+    "outer, learners, lr, momentum, fragments",
+    [("central", 2, 0.7, 0.9, 1), ("nesterov", 2, 0.7, 0.9, 1), ("sgd", 1, 0.5, 0.5, 1), ("nesterov", 2, 0.7, 0.9, 4)],
 )
-def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, lr, momentum):
+def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, lr, momentum, fragments):
     train, test = datasets(comm.size, learners)
     cfg = run_config(
-        shared_tmp, learners=learners, sync_every=4, outer_optimizer=outer, outer_lr=lr, outer_momentum=momentum
+        shared_tmp,
+        learners=learners,
+        sync_every=4,
+        outer_optimizer=outer,
+        outer_lr=lr,
+        outer_momentum=momentum,
+        fragments=fragments,
     )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     reference = local_sma_reference(mlp_bn_float64, cfg, train, comm.size, learners)
@@ -122,6 +143,8 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"outer_lr": 0.0}, "--outer-lr must be positive"),
         ({"sync_dtype": "int4"}, "--sync-dtype: unknown value 'int4'"),
         ({"sync_every": 4, "sync_every_node": 4, "hierarchy": "node"}, "--sync-every-node 4 must be below"),
+        ({"sync_every": 4, "fragments": 2}, "--fragments needs --outer-optimizer nesterov or sgd"),
+        ({"sync_every": 4, "fragments": 3, "outer_optimizer": "sgd"}, "--fragments 3 must divide --sync-every 4"),
         ({"sync_every": 4, "sync_every_node": 1, "hierarchy": "flat"}, "--sync-every-node needs --hierarchy node"),
     ],
 )
@@ -148,3 +171,11 @@ def test_resume_between_syncs_is_bit_identical_and_reshards(comm, shared_tmp):
     assert resumed.iterations == whole.iterations and torch.equal(resumed.central, whole.central)
     resharded = resume_fit(comm, resume_config(interrupted_dir, resume=True, learners=3, **local))
     assert resharded.iterations == whole.iterations and torch.isfinite(resharded.central).all()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_more_fragments_than_parameter_tensors_are_refused(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, learners=1, sync_every=8, fragments=8, outer_optimizer="sgd")
+    with pytest.raises(ConfigError, match="--fragments 8 exceeds the model's 4 parameter tensors"):
+        Trainer(cfg, comm).fit(mlp, train, test)

@@ -150,10 +150,13 @@ class Algorithm:
                 "first sync; use --sync-dtype bf16"
             )
 
-    def allreduce_staged(self, scope: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def allreduce_staged(
+        self, scope: Communicator | None = None, columns: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce [sum of the staged rows' first parts | weighted sum of the learners' buffers | sum of their weights]
         as one message; return the first part and the summed weight of the learners the reduction carried (a
-        one-element tensor: the number of learners, when every weight is 1); over `scope`, default the transport.
+        one-element tensor: the number of learners, when every weight is 1); over `scope`, default the transport;
+        with `columns`, only those columns of the first part travel (a fragment).
 
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
@@ -162,6 +165,8 @@ class Algorithm:
         wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
         if wire == torch.float16 and scope.size > 1 and not self.comm_bytes:
             self.refuse_overflow(message, scope)
+        if columns is not None:
+            message, num_params = torch.cat([message[columns], message[num_params:]]), columns.stop - columns.start
         scope.allreduce_cast_(message, wire)
         self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
         carried = message[-1:]

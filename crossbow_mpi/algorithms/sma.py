@@ -12,7 +12,8 @@ With `--sync-every H` the ranks sync every H-th step only. `central` keeps the e
 correction (α) at the sync steps only, as EASGD's communication period τ (Zhang, Choromanska and LeCun,
 arXiv 1412.6651, Algorithm 1); between syncs every learner takes plain momentum-SGD steps (α = 0). With
 `--outer-optimizer nesterov|sgd`, the sync reduces the learners' mean m instead, z takes one outer step on
-Δ = z − m (crossbow_mpi.algorithms.outer) and every learner restarts from z, keeping its momentum.
+Δ = z − m (crossbow_mpi.algorithms.outer) and every learner restarts from z, keeping its momentum; with
+`--fragments F` one run of whole tensors at a time, every H/F steps, round-robin (Streaming DiLoCo).
 BatchNorm statistics are averaged at every sync either way. With `--sync-every-node Hn` (`--hierarchy node`)
 the learners of each node also average their parameters every Hn-th step between the syncs, over the node's fast
 links; the syncs across nodes stay every H steps.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.algorithms.base import Algorithm, ring_bytes
-from crossbow_mpi.algorithms.outer import outer_step
+from crossbow_mpi.algorithms.outer import fragment_columns, outer_step
 from crossbow_mpi.comm import Communicator
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
@@ -46,6 +47,13 @@ class SynchronousModelAveraging(Algorithm):
         super().__init__(hp, transport, central, learners)
         if hp.sync_every_node and not hasattr(transport, "node"):
             raise ConfigError("--sync-every-node needs the ranks grouped by node: pass --hierarchy node")
+        slots = learners.layout.param_slots
+        if hp.fragments > len(slots):
+            raise ConfigError(f"--fragments {hp.fragments} exceeds the model's {len(slots)} parameter tensors")
+        self.fragments = fragment_columns(slots, hp.fragments) if hp.fragments > 1 else [None]
+        """The parameter columns each sync carries in turn (None: all)."""
+        self.fragment = 0
+        """The fragment the next sync carries."""
         self.since_sync = 0
         """Local steps taken since the last sync."""
 
@@ -55,8 +63,8 @@ class SynchronousModelAveraging(Algorithm):
 
     @property
     def syncs_now(self) -> bool:
-        """Whether the current step ends with a sync (every H-th step)."""
-        return self.since_sync + 1 >= self.hp.sync_every
+        """Whether the current step ends with a sync (every H-th step; every H/F-th with F fragments)."""
+        return self.since_sync + 1 >= self.hp.sync_every // self.hp.fragments
 
     @property
     def alpha(self) -> float:
@@ -84,7 +92,8 @@ class SynchronousModelAveraging(Algorithm):
             return
         self.since_sync = 0
         if hp.outer_optimizer != "central":
-            self.outer_sync()
+            self.outer_sync(self.fragments[self.fragment])
+            self.fragment = (self.fragment + 1) % len(self.fragments)
             return
         dz, _ = self.allreduce_staged()
         central_momentum = hp.central_momentum if hp.momentum > 0 or hp.central_momentum_always else 0.0
@@ -95,15 +104,20 @@ class SynchronousModelAveraging(Algorithm):
         central.u.copy_(dz)
         central.params.add_(dz)
 
-    def outer_sync(self) -> None:
+    def outer_sync(self, columns: slice | None) -> None:
         """Reduce the pseudo-gradient z − mean(w) (as differences, which a low-precision wire carries better than
-        weights), step z on it, restart every learner from z."""
+        weights), step z on it, restart every learner from z; with `columns` (a fragment) for those columns only,
+        and the buffers."""
         hp, central, learners = self.hp, self.central, self.learners
         torch.sub(central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
-        total, carried = self.allreduce_staged()
-        delta = total.div_(carried)
-        outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
-        learners.reset_to(central.z)
+        total, carried = self.allreduce_staged(columns=columns)
+        delta, part = total.div_(carried), columns or slice(None)
+        outer_step(hp.outer_optimizer, delta, central.params[part], central.u[part], hp.outer_lr, hp.outer_momentum)
+        if columns is None:
+            learners.reset_to(central.z)
+            return
+        learners.params[:, columns] = central.params[columns]
+        learners.buffers[:] = central.buffers
 
     def node_sync(self) -> None:
         """Average the learners' parameters within this rank's node (`--sync-every-node`): every learner becomes the
@@ -121,7 +135,8 @@ class SynchronousModelAveraging(Algorithm):
         return {"comm_bytes": self.comm_bytes}
 
     def state_dict(self) -> dict:
-        return {"since_sync": self.since_sync, "comm_bytes": self.comm_bytes}
+        return {"since_sync": self.since_sync, "fragment": self.fragment, "comm_bytes": self.comm_bytes}
 
     def load_state_dict(self, state: dict) -> None:
         self.since_sync, self.comm_bytes = state.get("since_sync", 0), state.get("comm_bytes", 0)
+        self.fragment = state.get("fragment", 0) % len(self.fragments)

@@ -97,6 +97,8 @@ class HyperParams(_Serialised):
     """SMA: the outer optimizer's step size."""
     outer_momentum: float = 0.9
     """SMA: the outer optimizer's momentum."""
+    fragments: int = 1
+    """SMA with an outer optimizer: runs of parameter tensors synced in turn, each every `sync_every` steps."""
     sync_dtype: str = "fp32"
     """SMA: the sync message's type on the wire (`fp32`, `bf16`, `fp16`); sums are taken in float32."""
 
