@@ -64,6 +64,7 @@ NON_NEGATIVE = (
     "outer_lr",
     "outer_momentum",
     "sync_every_node",
+    "sync_delay",
 )
 """Fields that must not be negative (every per-rank value)."""
 
@@ -158,6 +159,10 @@ class Config:
     """SMA with `outer_optimizer` nesterov or sgd: cut the parameters into this many runs of whole tensors and sync
     one run at a time, round-robin, every `sync_every` / `fragments` steps, so that each run syncs every
     `sync_every` steps and a sync sends about 1/`fragments` of the model (Streaming DiLoCo)."""
+    sync_delay: int = 0
+    """SMA with `outer_optimizer` nesterov or sgd, over a flat MPI transport: each sync's reduction runs
+    non-blocking, overlapped with this many steps of compute, and applies after them (below `sync_every` /
+    `fragments`; 0: blocking). The learners' progress on the synced columns in those steps is replaced by z's."""
     sync_dtype: str = "fp32"
     """SMA: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each rank's payload is
     cast for the wire and the sums are taken in float32."""
@@ -360,7 +365,7 @@ class Config:
     def _validate_sync(self) -> None:
         changed = [
             f"--{_flag(name)}"
-            for name in ("sync_every", "sync_every_node", "outer_optimizer", "fragments", "sync_dtype")
+            for name in ("sync_every", "sync_every_node", "outer_optimizer", "fragments", "sync_delay", "sync_dtype")
             if getattr(self, name) != getattr(Config, name)
         ]
         if changed and self.algorithm == "ssgd":
@@ -377,6 +382,13 @@ class Config:
                 f"--fragments {self.fragments} must divide --sync-every {self.sync_every}: one fragment syncs every "
                 "H/F steps"
             )
+        if self.sync_delay and self.sync_delay >= self.sync_every // self.fragments:
+            raise ConfigError(
+                f"--sync-delay {self.sync_delay} must be below --sync-every / --fragments "
+                f"({self.sync_every // self.fragments}): a sync must land before the next one starts"
+            )
+        if self.sync_delay and (self.outer_optimizer == "central" or self.sync_dtype != "fp32"):
+            raise ConfigError("--sync-delay needs --outer-optimizer nesterov or sgd and --sync-dtype fp32")
         if self.sync_every_node and self.sync_every_node >= self.sync_every:
             raise ConfigError(
                 f"--sync-every-node {self.sync_every_node} must be below --sync-every {self.sync_every}: the node "

@@ -33,6 +33,7 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, n
     order = GlobalSampler(len(train), cfg.seed, rank=0, world_size=1).permutation(0)
     runs = tensor_runs([p.numel() for p in module.parameters()], cfg.fragments)
     period = cfg.sync_every // cfg.fragments
+    pending: list = []  # delayed syncs: (the step after which it applies, columns, Δ, buffers)
     for step in range(STEPS):
         syncs = (step + 1) % period == 0
         alpha = cfg.alpha if syncs and cfg.outer_optimizer == "central" else 0.0
@@ -49,6 +50,8 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, n
             velocity[(r, j)] = cfg.momentum * velocity[(r, j)] - cfg.lr * g
             corrections.append(alpha * (w - z[:n]))
             states[(r, j)] = torch.cat([w + velocity[(r, j)] - corrections[-1], after[n:]])
+        if pending and pending[0][0] == step:
+            z, u = outer_reference(cfg, z, u, states, n, *pending.pop()[1:])
         if not syncs:
             if node_of and ((step + 1) % cfg.sync_every) % cfg.sync_every_node == 0:
                 average_within_nodes(states, n, node_of)
@@ -60,14 +63,24 @@ def local_sma_reference(model_fn, cfg: Config, train, world_size: int, k: int, n
             continue
         cols = runs[((step + 1) // period - 1) % cfg.fragments]
         delta = z[cols] - torch.stack([s[cols] for s in states.values()]).mean(0)
-        u[cols] = cfg.outer_momentum * u[cols] + delta
-        step_dir = delta + cfg.outer_momentum * u[cols] if cfg.outer_optimizer == "nesterov" else u[cols]
-        z = torch.cat([z[:n], buffers])
-        z[cols] -= cfg.outer_lr * step_dir
-        for key, state in states.items():
-            states[key] = torch.cat([state[:n], z[n:]])
-            states[key][cols] = z[cols]
+        pending.append((step + cfg.sync_delay, cols, delta, buffers))
+        if not cfg.sync_delay:
+            z, u = outer_reference(cfg, z, u, states, n, *pending.pop()[1:])
+    for _, cols, delta, buffers in pending:  # the end drains a sync in flight
+        z, u = outer_reference(cfg, z, u, states, n, cols, delta, buffers)
     return z
+
+
+def outer_reference(cfg: Config, z, u, states: dict, n: int, cols: slice, delta, buffers):
+    """Apply one outer step of the columns `cols` and restart the learners there from z; return z and u."""
+    u, z = u.clone(), torch.cat([z[:n], buffers])
+    u[cols] = cfg.outer_momentum * u[cols] + delta
+    step_dir = delta + cfg.outer_momentum * u[cols] if cfg.outer_optimizer == "nesterov" else u[cols]
+    z[cols] -= cfg.outer_lr * step_dir
+    for key, state in states.items():
+        states[key] = torch.cat([state[:n], z[n:]])
+        states[key][cols] = z[cols]
+    return z, u
 
 
 def tensor_runs(sizes: list[int], fragments: int) -> list[slice]:
@@ -102,10 +115,17 @@ def test_nodes_average_every_step_and_sync_across_nodes_every_h(comm, shared_tmp
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize(
-    "outer, learners, lr, momentum, fragments",
-    [("central", 2, 0.7, 0.9, 1), ("nesterov", 2, 0.7, 0.9, 1), ("sgd", 1, 0.5, 0.5, 1), ("nesterov", 2, 0.7, 0.9, 4)],
+    "outer, learners, lr, momentum, fragments, delay",
+    [
+        ("central", 2, 0.7, 0.9, 1, 0),
+        ("nesterov", 2, 0.7, 0.9, 1, 0),
+        ("sgd", 1, 0.5, 0.5, 1, 0),
+        ("nesterov", 2, 0.7, 0.9, 4, 0),
+        ("nesterov", 1, 0.7, 0.9, 2, 1),
+        ("sgd", 2, 0.7, 0.5, 1, 3),
+    ],
 )
-def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, lr, momentum, fragments):
+def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, lr, momentum, fragments, delay):
     train, test = datasets(comm.size, learners)
     cfg = run_config(
         shared_tmp,
@@ -115,6 +135,7 @@ def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, 
         outer_lr=lr,
         outer_momentum=momentum,
         fragments=fragments,
+        sync_delay=delay,
     )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     reference = local_sma_reference(mlp_bn_float64, cfg, train, comm.size, learners)
@@ -145,6 +166,8 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"sync_every": 4, "sync_every_node": 4, "hierarchy": "node"}, "--sync-every-node 4 must be below"),
         ({"sync_every": 4, "fragments": 2}, "--fragments needs --outer-optimizer nesterov or sgd"),
         ({"sync_every": 4, "fragments": 3, "outer_optimizer": "sgd"}, "--fragments 3 must divide --sync-every 4"),
+        ({"sync_every": 4, "fragments": 2, "outer_optimizer": "sgd", "sync_delay": 2}, "--sync-delay 2 must be below"),
+        ({"sync_every": 4, "sync_delay": 1}, "--sync-delay needs --outer-optimizer nesterov or sgd"),
         ({"sync_every": 4, "sync_every_node": 1, "hierarchy": "flat"}, "--sync-every-node needs --hierarchy node"),
     ],
 )

@@ -150,6 +150,16 @@ class Algorithm:
                 "first sync; use --sync-dtype bf16"
             )
 
+    def staged_message(self, scope: Communicator, columns: slice | None = None) -> tuple[torch.Tensor, int]:
+        """Return the sync message (the staged rows' sum; with `columns`, only those columns of its first part) and
+        the length of its first part; a float16 wire refuses a first message beyond float16's range."""
+        num_params, message = self.learners.layout.num_params, self.sum_staged()
+        if self.hp.sync_dtype == "fp16" and scope.size > 1 and not self.comm_bytes:
+            self.refuse_overflow(message, scope)
+        if columns is not None:
+            message, num_params = torch.cat([message[columns], message[num_params:]]), columns.stop - columns.start
+        return message, num_params
+
     def allreduce_staged(
         self, scope: Communicator | None = None, columns: slice | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,12 +171,9 @@ class Algorithm:
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
-        num_params, message, scope = self.learners.layout.num_params, self.sum_staged(), scope or self.transport
+        scope = scope or self.transport
+        message, num_params = self.staged_message(scope, columns)
         wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
-        if wire == torch.float16 and scope.size > 1 and not self.comm_bytes:
-            self.refuse_overflow(message, scope)
-        if columns is not None:
-            message, num_params = torch.cat([message[columns], message[num_params:]]), columns.stop - columns.start
         scope.allreduce_cast_(message, wire)
         self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
         carried = message[-1:]

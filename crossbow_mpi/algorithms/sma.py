@@ -30,6 +30,7 @@ import torch
 from crossbow_mpi.algorithms.base import Algorithm, ring_bytes
 from crossbow_mpi.algorithms.outer import fragment_columns, outer_step
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
 from crossbow_mpi.replicas.learners import CentralModel, Learners
@@ -54,8 +55,14 @@ class SynchronousModelAveraging(Algorithm):
         """The parameter columns each sync carries in turn (None: all)."""
         self.fragment = 0
         """The fragment the next sync carries."""
+        if hp.sync_delay and (not hasattr(transport, "iallreduce_sum_") or transport.hierarchy != "flat"):
+            raise ConfigError("--sync-delay needs a flat MPI transport (--comm mpi --hierarchy flat)")
         self.since_sync = 0
         """Local steps taken since the last sync."""
+        self.in_flight: tuple | None = None
+        """A delayed sync: (message on the host, length of its first part, its columns, MPI request)."""
+        self.delay_left = 0
+        """Steps until the delayed sync applies."""
 
     @property
     def overlaps_sync(self) -> bool:  # type: ignore[override]
@@ -85,6 +92,9 @@ class SynchronousModelAveraging(Algorithm):
 
     def sync(self, lr: float) -> None:
         central, hp = self.central, self.hp
+        self.delay_left -= 1
+        if self.delay_left == 0:
+            self.drain()
         if not self.syncs_now:
             self.since_sync += 1
             if hp.sync_every_node and self.since_sync % hp.sync_every_node == 0:
@@ -92,8 +102,9 @@ class SynchronousModelAveraging(Algorithm):
             return
         self.since_sync = 0
         if hp.outer_optimizer != "central":
-            self.outer_sync(self.fragments[self.fragment])
+            columns = self.fragments[self.fragment]
             self.fragment = (self.fragment + 1) % len(self.fragments)
+            (self.start_sync if hp.sync_delay else self.outer_sync)(columns)
             return
         dz, _ = self.allreduce_staged()
         central_momentum = hp.central_momentum if hp.momentum > 0 or hp.central_momentum_always else 0.0
@@ -108,10 +119,39 @@ class SynchronousModelAveraging(Algorithm):
         """Reduce the pseudo-gradient z − mean(w) (as differences, which a low-precision wire carries better than
         weights), step z on it, restart every learner from z; with `columns` (a fragment) for those columns only,
         and the buffers."""
-        hp, central, learners = self.hp, self.central, self.learners
-        torch.sub(central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
+        learners = self.learners
+        torch.sub(self.central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
         total, carried = self.allreduce_staged(columns=columns)
-        delta, part = total.div_(carried), columns or slice(None)
+        self.outer_apply(total.div_(carried), columns)
+
+    def start_sync(self, columns: slice | None) -> None:
+        """Start `outer_sync`'s reduction without waiting (`--sync-delay τ`): it completes and applies τ steps later,
+        or at `drain`, and the learners' progress on its columns in between is replaced by z's, as Streaming
+        DiLoCo's merge with mixing factor 0."""
+        learners = self.learners
+        torch.sub(self.central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
+        message, num_params = self.staged_message(self.transport, columns)
+        host = message.to("cpu", copy=True)
+        request = self.transport.iallreduce_sum_(host)  # type: ignore[attr-defined]
+        self.comm_bytes += ring_bytes(self.transport.size, host.numel() * host.element_size())
+        self.in_flight, self.delay_left = (host, num_params, columns, request), self.hp.sync_delay
+
+    def drain(self) -> None:
+        """Complete and apply a delayed sync."""
+        if self.in_flight is None:
+            return
+        host, num_params, columns, request = self.in_flight
+        self.in_flight = None
+        wait_sleeping([request])
+        message = host.to(self.central.z.device)
+        carried = message[-1:]
+        torch.div(message[num_params:-1], carried, out=self.central.buffers)
+        self.outer_apply(message[:num_params].div_(carried), columns)
+
+    def outer_apply(self, delta: torch.Tensor, columns: slice | None) -> None:
+        """Step z on the pseudo-gradient `delta` (of `columns`: all when None) and restart the learners from z there."""
+        hp, central, learners = self.hp, self.central, self.learners
+        part = columns or slice(None)
         outer_step(hp.outer_optimizer, delta, central.params[part], central.u[part], hp.outer_lr, hp.outer_momentum)
         if columns is None:
             learners.reset_to(central.z)

@@ -37,6 +37,11 @@ class MpiCommunicator(Communicator):
         tensor.copy_(wire[:n].view(tensor.shape))
         return Reduction(tensor, self.size)
 
+    def iallreduce_sum_(self, tensor: torch.Tensor):
+        """Start replacing a contiguous host tensor by its sum over the ranks; return the MPI request."""
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
+        return self.mpi_comm.Iallreduce(self.mpi().IN_PLACE, tensor.numpy())
+
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:
             with _host_view(tensor) as host:

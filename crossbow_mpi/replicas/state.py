@@ -99,6 +99,8 @@ class HyperParams(_Serialised):
     """SMA: the outer optimizer's momentum."""
     fragments: int = 1
     """SMA with an outer optimizer: runs of parameter tensors synced in turn, each every `sync_every` steps."""
+    sync_delay: int = 0
+    """SMA with an outer optimizer: steps a sync's reduction overlaps the compute before it applies."""
     sync_dtype: str = "fp32"
     """SMA: the sync message's type on the wire (`fp32`, `bf16`, `fp16`); sums are taken in float32."""
 
