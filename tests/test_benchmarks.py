@@ -114,7 +114,7 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
 
     calls = []
 
-    def mpirun(ranks, args, timeout, env=None):
+    def mpirun(ranks, args, timeout, env=None, wrap=None):
         calls.append(args)
         code = outcomes[len(calls) - 1]
         if code:
