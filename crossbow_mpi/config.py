@@ -147,14 +147,14 @@ class Config:
     """SMA with `--hierarchy node`: between the syncs, the learners of each node average their parameters every
     this many steps over the node's fast links (0: never); the syncs across nodes stay every `sync_every` steps."""
     outer_optimizer: str = "central"
-    """SMA: what a sync does to z. `central`: SMA's correction and central momentum step, applied at the sync steps
-    only (EASGD's communication period); `nesterov` or `sgd`: torch.optim.SGD's step (with Nesterov momentum or
-    without) of z on the pseudo-gradient z − mean(w) over every learner, then every learner restarts from z
-    (DiLoCo, as torchft's local_sgd.py)."""
+    """SMA (and `elastic`'s merge): what a sync does to z. `central`: SMA's correction and central momentum step,
+    applied at the sync steps only (EASGD's communication period; elastic: its merge step); `nesterov` or `sgd`:
+    torch.optim.SGD's step (with Nesterov momentum or without) of z on the pseudo-gradient z − mean(w) over every
+    learner, then every learner restarts from z (DiLoCo, as torchft's local_sgd.py)."""
     outer_lr: float = 0.7
-    """SMA with `outer_optimizer` nesterov or sgd: the outer step size (DiLoCo's 0.7)."""
+    """SMA and elastic with `outer_optimizer` nesterov or sgd: the outer step size (DiLoCo's 0.7)."""
     outer_momentum: float = 0.9
-    """SMA with `outer_optimizer` nesterov or sgd: the outer momentum (DiLoCo's 0.9; 0: none)."""
+    """SMA and elastic with `outer_optimizer` nesterov or sgd: the outer momentum (DiLoCo's 0.9; 0: none)."""
     fragments: int = 1
     """SMA with `outer_optimizer` nesterov or sgd: cut the parameters into this many runs of whole tensors and sync
     one run at a time, round-robin, every `sync_every` / `fragments` steps, so that each run syncs every
@@ -164,8 +164,8 @@ class Config:
     non-blocking, overlapped with this many steps of compute, and applies after them (below `sync_every` /
     `fragments`; 0: blocking). The learners' progress on the synced columns in those steps is replaced by z's."""
     sync_dtype: str = "fp32"
-    """SMA: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each rank's payload is
-    cast for the wire and the sums are taken in float32."""
+    """SMA and `elastic`: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each
+    rank's payload is cast for the wire and the sums are taken in float32."""
     merge_momentum: float = 0.0
     """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
     step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""
@@ -373,7 +373,13 @@ class Config:
                 f"{changed[0]} applies to --algorithm sma, not ssgd: S-SGD syncs gradients every step; use --algorithm "
                 "sma --outer-optimizer nesterov (at --sync-every 1, --outer-lr 1, --outer-momentum 0 it is S-SGD)"
             )
-        if changed and self.algorithm != "sma":
+        if self.algorithm == "elastic":
+            changed = [flag for flag in changed if flag not in ("--outer-optimizer", "--sync-dtype")]
+            if changed:
+                raise ConfigError(
+                    f"{changed[0]} applies to --algorithm sma; elastic syncs every --round-samples samples"
+                )
+        if changed and self.algorithm not in ("sma", "elastic"):
             raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
         if self.fragments > 1 and self.outer_optimizer == "central":
             raise ConfigError("--fragments needs --outer-optimizer nesterov or sgd: `central` moves every parameter")

@@ -159,6 +159,7 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"sync_every": 0}, "--sync-every must be positive"),
         ({"algorithm": "ssgd", "outer_optimizer": "nesterov"}, "use --algorithm sma --outer-optimizer nesterov"),
         ({"algorithm": "eager", "sync_every": 4}, "--sync-every applies to --algorithm sma"),
+        ({"algorithm": "elastic", "sync_every": 4}, "elastic syncs every --round-samples samples"),
         ({"outer_optimizer": "adam"}, "--outer-optimizer: unknown value 'adam'"),
         ({"outer_momentum": 1.0}, "--outer-momentum must be below 1"),
         ({"outer_lr": 0.0}, "--outer-lr must be positive"),
@@ -202,3 +203,16 @@ def test_more_fragments_than_parameter_tensors_are_refused(comm, shared_tmp):
     cfg = run_config(shared_tmp, learners=1, sync_every=8, fragments=8, outer_optimizer="sgd")
     with pytest.raises(ConfigError, match="--fragments 8 exceeds the model's 4 parameter tensors"):
         Trainer(cfg, comm).fit(mlp, train, test)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_elastic_merge_is_the_outer_sgd_step_with_outer_lr_1(comm, shared_tmp):
+    """Rounds of one global step, so that every rank takes exactly one step per round and the bits are fixed."""
+    train, test = datasets(comm.size, 2)
+    rounds = {"algorithm": "elastic", "learners": 2, "round_samples": 2 * BATCH * comm.size, "merge_momentum": 0.5}
+    results = {}
+    for outer in ("central", "sgd", "nesterov"):
+        cfg = run_config(shared_tmp / outer, **rounds, outer_optimizer=outer, outer_lr=1.0, outer_momentum=0.5)
+        results[outer] = Trainer(cfg, comm).fit(mlp, train, test).central
+    assert torch.equal(results["sgd"], results["central"])
+    assert relative_error(results["nesterov"], results["central"]) > 1e-3

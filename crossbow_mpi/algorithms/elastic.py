@@ -10,6 +10,8 @@ At the round's end (every `--round-samples` samples), with u_i the local steps r
     m = Σ_i p_i (1/k) Σ_j w_j                            (z's BatchNorm buffers: the same mean of the learners')
     Δz = m − z;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz       (SMA's central momentum step; μ_z: `merge_momentum`)
     every learner restarts from z (keeping its momentum v_j)
+With `--outer-optimizer nesterov|sgd` z takes the outer optimizer's step on Δ = z − m instead
+(crossbow_mpi.algorithms.outer; `sgd` with outer lr 1 and outer momentum μ_z is the step above).
 
 With `--adaptive-batch`, a faster rank's batches grow until the ranks make equal numbers of updates per round,
 as in Adaptive Hogbatch. The model server only hands out the data: it holds no model.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from crossbow_mpi.algorithms.outer import outer_step
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
@@ -61,10 +64,14 @@ class ElasticAveraging(RoundsAlgorithm):
         self.weight = float(self.round_steps)
         torch.mul(learners.params, self.weight, out=self.staged_rows(slice(None)))
         merged, carried = self.allreduce_staged(self.transport.data)
-        dz = merged.div_(carried).sub_(central.params)
-        dz.add_(central.u, alpha=hp.merge_momentum)
-        central.u.copy_(dz)
-        central.params.add_(dz)
+        if hp.outer_optimizer != "central":
+            delta = torch.sub(central.params, merged.div_(carried))
+            outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
+        else:
+            dz = merged.div_(carried).sub_(central.params)
+            dz.add_(central.u, alpha=hp.merge_momentum)
+            central.u.copy_(dz)
+            central.params.add_(dz)
         learners.reset_to(central.z)
         self.round_steps = 0
         return position
