@@ -3,7 +3,8 @@
 The nodes are network namespaces (launch/netns_nodes.sh, needs root); --quick runs on this host's loopback,
 without a limit. Variants: per-step SMA; SMA syncing every H steps with `central` and `nesterov` (DiLoCo's outer
 step), each with fp32 and bf16 payloads; PyTorch's local SGD (PostLocalSGDOptimizer + PeriodicModelAverager over
-gloo, benchmarks/ddp_peer.py) at the same H. Rows: medians over seeds of the time to the target and of the bytes
+gloo, benchmarks/ddp_peer.py) at the same H; and streamed syncs (nesterov, bf16, 4 fragments; `--sync-delay`
+overlaps fp32 syncs only, and is not a variant). Rows: medians over seeds of the time to the target and of the bytes
 each rank sent per training sample (`comm_bytes`, the ring allreduce's model for every trainer).
 """
 
@@ -37,6 +38,8 @@ class Budget:
     timeout_s: float
     wires: tuple[str, ...]
     outers: tuple[str, ...]
+    fragments: tuple[int, ...]
+    """Streamed variants (nesterov, bf16): fragments F."""
 
 
 FULL = Budget(
@@ -49,8 +52,9 @@ FULL = Budget(
     3600,
     ("fp32", "bf16"),
     ("central", "nesterov"),
+    (4,),
 )
-QUICK = Budget(("host",), (4,), "synthetic-mnist", 0, 0.005, harness.NEVER, 120, ("bf16",), ("nesterov",))
+QUICK = Budget(("host",), (4,), "synthetic-mnist", 0, 0.005, harness.NEVER, 120, ("bf16",), ("nesterov",), ())
 FLAGS = {"model": "lenet", "batch_size": 64, "lr": 0.01, "momentum": 0.9, "threads": 1}
 COLUMNS = ["link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"]
 
@@ -63,6 +67,10 @@ def variants(budget: Budget) -> dict[str, tuple[str, dict]]:
             for wire in budget.wires:
                 flags = {"algorithm": "sma", "learners": 1, "sync_every": h, "outer_optimizer": outer}
                 found[f"sma H={h} {outer} {wire}"] = ("crossbow", {**flags, "sync_dtype": wire})
+        for f in budget.fragments:
+            streamed = {"outer_optimizer": "nesterov", "sync_dtype": "bf16", "fragments": f}
+            flags = {"algorithm": "sma", "learners": 1, "sync_every": h, **streamed}
+            found[f"sma H={h} nesterov bf16 F={f}"] = ("crossbow", flags)
         found[f"local-sgd H={h}"] = ("ddp", {"local_sgd_every": h})
     return found
 
