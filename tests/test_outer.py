@@ -216,3 +216,20 @@ def test_elastic_merge_is_the_outer_sgd_step_with_outer_lr_1(comm, shared_tmp):
         results[outer] = Trainer(cfg, comm).fit(mlp, train, test).central
     assert torch.equal(results["sgd"], results["central"])
     assert relative_error(results["nesterov"], results["central"]) > 1e-3
+
+
+@pytest.mark.mpi(min_size=2)
+def test_learners_auto_with_local_steps_and_fragments_keeps_every_rank_on_one_z(comm, shared_tmp):
+    train, test = datasets(comm.size, 2, steps=60)
+    cfg = run_config(
+        shared_tmp,
+        learners="auto",
+        autotune_interval=5,
+        sync_every=4,
+        fragments=2,
+        sync_delay=1,
+        outer_optimizer="nesterov",
+    )
+    result = Trainer(cfg, comm).fit(mlp, train, test)
+    gathered = comm.allgather_bytes(result.central.numpy().tobytes())
+    assert result.iterations > 0 and all(g == gathered[0] for g in gathered)
