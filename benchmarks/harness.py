@@ -251,9 +251,17 @@ Wrap = Callable[[list[str]], list[str]]
 """Rewrites an mpirun command line (`mpirun -n R --oversubscribe python ARGS`), e.g. to launch on other hosts."""
 
 
-def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None, wrap: Wrap | None = None) -> str:
-    """Run `python ARGS` on `ranks` MPI ranks from the repository root; return stdout; raise if it fails or hangs."""
-    launch = [_mpirun(), "-n", str(ranks), "--oversubscribe", sys.executable, *args]
+def mpirun(
+    ranks: int,
+    args: list[str],
+    timeout: float,
+    env: dict | None = None,
+    flags: tuple[str, ...] = (),
+    wrap: Wrap | None = None,
+) -> str:
+    """Run `python ARGS` on `ranks` MPI ranks (mpirun `flags` besides) from the repository root, the command
+    rewritten by `wrap`; return stdout; raise if it fails or hangs."""
+    launch = [_mpirun(), *flags, "-n", str(ranks), "--oversubscribe", sys.executable, *args]
     command = ["timeout", "--kill-after=10", str(math.ceil(timeout)), *(wrap(launch) if wrap else launch)]
     try:
         done = subprocess.run(
@@ -285,7 +293,8 @@ def train(
     trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2, wrap: Wrap | None = None, env=None
 ) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
-    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s,
+    its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
+    each evaluation's [epoch, samples/s],
     with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
     algorithm, each rank's (group's) updates over the run.
 
@@ -318,6 +327,7 @@ def train(
         "time_limited": summary.get("time_limited", False),
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),
+        "trajectory": [[r.get("epoch"), r["samples_per_s"]] for r in evaluations],
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),
@@ -335,7 +345,7 @@ def _train_once(
         args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
-        mpirun(ranks, args, timeout, env, wrap)
+        mpirun(ranks, args, timeout, env, wrap=wrap)
         return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 

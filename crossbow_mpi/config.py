@@ -20,6 +20,15 @@ SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
 OUTER_OPTIMIZERS = ("central", "nesterov", "sgd")
 SYNC_DTYPES = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "step", "cosine")
+SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
+"""The algorithms without `--optimizer adamw` and `--clip-grad-norm`: omnivore's and hogbatch's steps are the model
+server's, and auto may switch to them."""
+RANK_LOSS = ("abort", "continue")
+RANK_LOSS_LR = ("keep", "linear")
+SURVIVING_ALGORITHMS = ("sma", "ssgd")
+"""The algorithms that `--on-rank-loss continue` applies to (their sync is one blocking allreduce)."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
@@ -41,6 +50,7 @@ POSITIVE = (
     "batch_step",
     "sync_every",
     "fragments",
+    "min_ranks",
 )
 """Fields that must be positive (every per-rank value)."""
 NON_NEGATIVE = (
@@ -52,6 +62,8 @@ NON_NEGATIVE = (
     "merge_momentum",
     "lr_gamma",
     "warmup_epochs",
+    "lr_decay",
+    "base_batch",
     "eval_every",
     "threads",
     "checkpoint_every",
@@ -65,6 +77,8 @@ NON_NEGATIVE = (
     "outer_momentum",
     "sync_every_node",
     "sync_delay",
+    "clip_grad_norm",
+    "warmup_steps",
 )
 """Fields that must not be negative (every per-rank value)."""
 
@@ -92,9 +106,9 @@ class Config:
     groups before training, and again every `optimizer_epoch` (crossbow_mpi.control.omnivore_search). `auto` needs
     a fixed number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
     model: str = "lenet"
-    """Model name from the registry (`lenet`, `mlp`, `resnet32`)."""
+    """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`)."""
     dataset: str = "mnist"
-    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`)."""
+    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`)."""
     data_dir: str = "datasets/mnist"
     """Directory with the dataset files (ignored by synthetic datasets)."""
     learners: int | str = 2
@@ -105,14 +119,15 @@ class Config:
     """Adapt each rank's batch size to its speed every `adapt_every` steps, by `batch_step` within [`batch_min`,
     `batch_max`]: so that the ranks' steps take equal time, or with `hogbatch` and `elastic`, that they make equal
     numbers of updates."""
-    adapt_every: int = 20
-    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`, `elastic`)."""
+    adapt_every: int = 1
+    """With `adaptive_batch`: iterations per measurement window (steps; rounds for `hogbatch`, `elastic`); 1, as
+    HeteroGPU adapts at every merge."""
     batch_min: int = 1
     """With `adaptive_batch`: smallest batch size per learner."""
     batch_max: int = 1024
     """With `adaptive_batch`: largest batch size per learner."""
-    batch_step: int = 1
-    """With `adaptive_batch`: change of a rank's batch size per window."""
+    batch_step: int = 32
+    """With `adaptive_batch`: change of a rank's batch size per window (32, HeteroGPU's)."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""
@@ -131,7 +146,19 @@ class Config:
     momentum: float = 0.9
     """Momentum μ of each learner (SMA) or of the central model (S-SGD)."""
     weight_decay: float = 0.0005
-    """L2 coefficient λ added to every gradient."""
+    """With `sgd`: L2 coefficient λ added to every gradient; with `adamw`: AdamW's decoupled weight decay."""
+    optimizer: str = "sgd"
+    """What steps the weights (crossbow_mpi.replicas.optimizers): `sgd` (each algorithm's momentum SGD equations) or
+    `adamw` (torch.optim.AdamW: z's for S-SGD and eager, each learner's local step for SMA and elastic)."""
+    beta1: float = 0.9
+    """With `adamw`: decay of the gradient's running mean, in [0, 1)."""
+    beta2: float = 0.999
+    """With `adamw`: decay of the squared gradient's running mean, in [0, 1)."""
+    eps: float = 1e-8
+    """With `adamw`: term added to the denominator, positive."""
+    clip_grad_norm: float = 0.0
+    """Scale a gradient whose L2 norm exceeds this down to it (0: no clipping): S-SGD and eager the averaged
+    gradient of every rank (after the allreduce), SMA and elastic each learner's own."""
     alpha: float = 0.1
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
@@ -167,8 +194,17 @@ class Config:
     """SMA and `elastic`: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each
     rank's payload is cast for the wire and the sums are taken in float32."""
     merge_momentum: float = 0.0
-    """elastic: momentum μ_z of the central model's step to each round's merged model (SMA's central momentum
-    step, applied to a whole round's move: SMA's 0.9 overshoots it; 0: z becomes the merged model)."""
+    """elastic with `local_momentum`: momentum μ_z of the central model's step to each round's merged model (0: z
+    becomes the merged model). Without `local_momentum` the merge takes `momentum`."""
+    local_momentum: bool = False
+    """elastic: take `momentum` in the local steps and `merge_momentum` at the merge; default: plain local SGD
+    steps and `momentum` at the merge, as HeteroGPU."""
+    base_batch: float = 0.0
+    """elastic: base batch B of the local step size η·b_i/B (HeteroGPU's linear scaling); 0: the mean of
+    `batch_size` at the start."""
+    merge_l2: bool = False
+    """elastic: HeteroGPU's adaptive normalisation: the merge weight of the rank with the most updates times 1.1,
+    of the one with the fewest times 0.9 (not renormalised, as the artifact)."""
     eager_mode: str = "solo"
     """eager-SGD: `solo` (any rank's arrival fires a round) or `majority` (a seeded initiator's arrival does)."""
     eager_sync_every: int = 32
@@ -186,12 +222,24 @@ class Config:
     """`omnivore`, `hogbatch`, `elastic` (its merge interval): samples per round. Within a round every rank steps
     at its own pace on the batches handed out to it; the ranks meet between rounds, where stop signals,
     evaluations and checkpoints take effect (an iteration is one round). 0: 32 global steps' samples."""
+    lr_schedule: str = "step"
+    """Learning-rate schedule after warm-up: `step` (drops by `lr_gamma` at `lr_steps`; none: constant), `constant`,
+    or `cosine` (from `lr` to 0 over `epochs`)."""
+    warmup_steps: int = 0
+    """Iterations of linear learning-rate warm-up from lr/warmup_steps to lr (an iteration is a round for the
+    asynchronous algorithms); not with `warmup_epochs`."""
     lr_steps: tuple[float, ...] = ()
-    """Epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to z there)."""
+    """With `lr_schedule` step: epochs at which the learning rate is multiplied by `lr_gamma` (SMA resets learners to
+    z there)."""
     lr_gamma: float = 0.1
     """Factor applied to the learning rate at each of `lr_steps`."""
     warmup_epochs: float = 0.0
-    """Epochs of linear learning-rate warm-up from lr/10 to lr."""
+    """Epochs of linear learning-rate warm-up from `warmup_start`·lr to lr; adaptive batch sizes stay fixed
+    during it, as in HeteroGPU."""
+    warmup_start: float = 0.1
+    """Fraction of lr at the start of the warm-up (HeteroGPU: 0.01)."""
+    lr_decay: float = 0.0
+    """Time-based decay after the warm-up: lr·1/(1 + lr_decay·(epoch − warmup_epochs)) (HeteroGPU's)."""
     epochs: float = 10.0
     """Upper bound on training epochs."""
     target_accuracy: float = 0.99
@@ -206,6 +254,15 @@ class Config:
     collective_timeout: float = 300.0
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
     seconds because a rank stopped taking part (0: never)."""
+    on_rank_loss: str = "abort"
+    """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (`sma`,
+    `ssgd`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step in flight is dropped, the run
+    goes on from the last step every survivor completed, and a checkpoint is written."""
+    min_ranks: int = 1
+    """With `on_rank_loss continue`: when fewer ranks survive, write a checkpoint and exit 75 (resume reshards)."""
+    rank_loss_lr: str = "keep"
+    """With `on_rank_loss continue`: the learning rate after going from P to P' ranks, whose aggregate batch is
+    P'/P of the old one: `keep` it, or scale it by P'/P (`linear`, Goyal et al. 2017's linear scaling rule)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu`, `cuda`, or one of these per rank (`cuda,cpu,cpu`); `mixed`:
     the node's first ranks on its GPUs, one each, the rest on CPU cores. A rank's GPU is chosen by its local rank."""
@@ -217,7 +274,8 @@ class Config:
     back within the node; over MPI), `flat` (one allreduce over all ranks), `auto` (`node` when the ranks span
     several nodes and MPI is the transport)."""
     precision: str = "fp32"
-    """Learners' compute precision: `fp32`, or `bf16` autocast (z, u and corrections stay float32)."""
+    """Learners' compute precision: `fp32`, or `bf16` autocast on the rank's device, CPU or GPU (z, u, corrections
+    and optimizer state stay float32)."""
     compile: bool = False
     """torch.compile each learner's forward and backward pass (needs a C++ compiler); the first step compiles,
     and its seconds are the summary's `compile_s`."""
@@ -264,6 +322,7 @@ class Config:
         self._validate_batches()
         self._validate_training()
         self._validate_sync()
+        self._validate_recipe()
 
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -294,6 +353,10 @@ class Config:
             "eager_mode": EAGER_MODES,
             "schedule": SCHEDULES,
             "cut": CUTS,
+            "optimizer": OPTIMIZERS,
+            "lr_schedule": LR_SCHEDULES,
+            "on_rank_loss": RANK_LOSS,
+            "rank_loss_lr": RANK_LOSS_LR,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -347,6 +410,11 @@ class Config:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.fused_step and self.algorithm not in FUSED_ALGORITHMS:
             raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
+        if self.on_rank_loss == "continue" and self.algorithm not in SURVIVING_ALGORITHMS:
+            raise ConfigError(
+                f"--on-rank-loss continue applies to --algorithm {' and '.join(SURVIVING_ALGORITHMS)}, not "
+                f"{self.algorithm}: its ranks exchange messages from threads of their own"
+            )
         if self.compile and self.pipeline_stages > 1:
             raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
         if not 0 <= self.target_accuracy <= 1:
@@ -357,6 +425,8 @@ class Config:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:
             raise ConfigError("--momentum, --central-momentum and --merge-momentum must be below 1")
+        if not 0 < self.warmup_start <= 1:
+            raise ConfigError(f"--warmup-start must be in (0, 1], got {self.warmup_start}")
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
@@ -407,6 +477,19 @@ class Config:
         if not self.outer_lr > 0:
             raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
 
+    def _validate_recipe(self) -> None:
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"--beta1 and --beta2 must be in [0, 1), got {self.beta1} and {self.beta2}")
+        if not self.eps > 0:
+            raise ConfigError(f"--eps must be positive, got {self.eps}")
+        if self.lr_steps and self.lr_schedule != "step":
+            raise ConfigError(f"--lr-steps applies to --lr-schedule step, not {self.lr_schedule}")
+        if self.warmup_steps and self.warmup_epochs:
+            raise ConfigError("--warmup-steps and --warmup-epochs cannot be combined: choose one")
+        recipe = [f for f in ("optimizer", "clip_grad_norm") if getattr(self, f) not in ("sgd", 0.0)]
+        if recipe:
+            refuse_recipe(self, f"--{_flag(recipe[0])} {getattr(self, recipe[0])}")
+
     def _validate_groups(self) -> None:
         if self.groups == "auto" and self.learners == "auto":
             raise ConfigError("--groups auto and --learners auto cannot be combined: fix one of them")
@@ -436,6 +519,16 @@ class Config:
                 raise ConfigError(f"unknown config key {key!r}")
             kwargs[name] = coerce(known[name], value)
         return cls(**kwargs)
+
+
+def refuse_recipe(config: Config, what: str) -> None:
+    """Raise ConfigError where `what` (an optimizer other than momentum SGD, or clipping) is not supported."""
+    if config.algorithm in SERVER_ALGORITHMS:
+        raise ConfigError(f"{what} applies to --algorithm sma, ssgd, eager and elastic, not {config.algorithm}")
+    if config.learners == "auto":
+        raise ConfigError(f"{what} needs a fixed number of --learners, not auto")
+    if config.pipeline_stages > 1:
+        raise ConfigError(f"{what} does not apply to --pipeline-stages")
 
 
 def values(value) -> tuple:

@@ -3,6 +3,10 @@ trained model z (parameters and float buffers; a pipeline run's stages joined in
 `state_dict` in safetensors format (plain tensors and a JSON header), to load with
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+
+With `--optimizer-out FILE` (a run with another optimizer than sgd) it also writes the optimizer state of what the
+algorithm stepped, per parameter as `<parameter>.<state>` (AdamW: `.exp_avg`, `.exp_avg_sq`) and each count by its
+name (`step`): z's for S-SGD and eager, the mean over every learner of every rank for SMA and elastic.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
+import torch
 from safetensors.torch import save
 from torch import nn
 
@@ -76,16 +83,47 @@ def _newest(run_dir: str) -> Path:
     return path
 
 
-def export(run_dir: str, out: str, checkpoint_file: str | None = None) -> tuple[Path, int]:
-    """Write the run's model as a safetensors state_dict to `out`; return the checkpoint used and the tensor count."""
+def optimizer_state(path: Path, layout: FlatLayout) -> dict[str, torch.Tensor]:
+    """Return a checkpoint's optimizer state by `<parameter>.<state>` (and a count by its name): z's, or the mean
+    over the learners."""
+    with h5py.File(path, "r") as f:
+        if "central/optimizer" in f:
+            groups = [{name: array[...][None] for name, array in f["central/optimizer"].items()}]
+        else:
+            held = [f[f"ranks/{r}/optimizer"] for r in f["ranks"] if "optimizer" in f[f"ranks/{r}"]]
+            groups = [{name: array[...] for name, array in group.items()} for group in held]
+    if not groups:
+        raise ConfigError(f"--optimizer-out: {path} holds no optimizer state (the run trained with --optimizer sgd)")
+    state = {}
+    for name in groups[0]:
+        rows = np.concatenate([group[name] for group in groups])
+        mean = torch.from_numpy(np.asarray(rows.astype(np.float64).mean(0), dtype=rows.dtype))
+        if mean.dim() == 0:
+            state[name] = mean
+            continue
+        for slot, view in zip(layout.param_slots, layout.param_views(mean), strict=True):
+            state[f"{slot.module}.{slot.name}.{name}".lstrip(".")] = view.contiguous()
+    return state
+
+
+def export(
+    run_dir: str, out: str, checkpoint_file: str | None = None, optimizer_out: str | None = None
+) -> tuple[Path, int]:
+    """Write the run's model as a safetensors state_dict to `out` (and its optimizer state to `optimizer_out`);
+    return the checkpoint used and the tensor count."""
     checkpoint.refuse_overwrite(out)
+    if optimizer_out:
+        checkpoint.refuse_overwrite(optimizer_out, "--optimizer-out")
     module, config, path = load_model(run_dir, checkpoint_file)
+    optimizer = optimizer_state(path, FlatLayout(module)) if optimizer_out else {}
     tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
     metadata = {"model": config.model, "dataset": config.dataset, "checkpoint": path.name}
-    try:
-        Path(out).write_bytes(save(tensors, metadata=metadata))
-    except OSError as err:
-        raise ConfigError(f"--out {out}: {err.strerror or err}") from None
+    written = [(out, "--out", tensors)] + ([(optimizer_out, "--optimizer-out", optimizer)] if optimizer_out else [])
+    for file, flag, contents in written:
+        try:
+            Path(file).write_bytes(save(contents, metadata=metadata))
+        except OSError as err:
+            raise ConfigError(f"{flag} {file}: {err.strerror or err}") from None
     return path, len(tensors)
 
 
@@ -98,9 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (config.json and checkpoints)")
     parser.add_argument("--checkpoint", metavar="FILE", help="checkpoint to export (default: the newest valid one)")
     parser.add_argument("--out", metavar="FILE", required=True, help="the .safetensors file to write")
+    parser.add_argument(
+        "--optimizer-out", metavar="FILE", help="also write the optimizer state (another optimizer than sgd)"
+    )
     try:
         args = parser.parse_args(argv)
-        path, count = export(args.run_dir, args.out, args.checkpoint)
+        path, count = export(args.run_dir, args.out, args.checkpoint, args.optimizer_out)
     except ValueError as err:
         print(f"crossbow_mpi.export: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -1,4 +1,5 @@
-"""Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32."""
+"""Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32; and a small attention model
+for synthetic-sequences."""
 
 import itertools
 import math
@@ -7,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from crossbow_mpi.data.datasets import SEQUENCE_VOCAB
 
 
 class LeNet(nn.Module):
@@ -117,6 +120,29 @@ class CifarResNet(nn.Module):
         return [self.conv, self.bn, nn.ReLU(), *self.blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), self.fc]
 
 
+class Attention(nn.Module):
+    """A one-block attention classifier of token sequences (synthetic-sequences): token and position embeddings,
+    self-attention and a feed-forward layer, each residual with LayerNorm, then the mean over positions. Its cost
+    grows with the sequence length, so batches of different lengths take different times."""
+
+    def __init__(self, vocab: int, max_length: int, num_classes: int, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(0.02 * torch.randn(max_length, width))
+        self.attend = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm1 = nn.LayerNorm(width)
+        self.feed = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+        self.norm2 = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.long()
+        h = self.embed(tokens) + self.position[: tokens.shape[1]]
+        h = self.norm1(h + self.attend(h, h, h, need_weights=False)[0])
+        h = self.norm2(h + self.feed(h))
+        return self.head(h.mean(dim=1))
+
+
 def _check_image_shape(name: str, input_shape: tuple[int, ...], square: bool) -> None:
     if len(input_shape) != 3 or (square and input_shape[1] != input_shape[2]):
         kind = "a square (C, H, W)" if square else "a (C, H, W)"
@@ -137,7 +163,14 @@ def _build_resnet32(input_shape: tuple[int, ...], num_classes: int) -> nn.Module
     return CifarResNet(blocks_per_stage=5, in_channels=input_shape[0], num_classes=num_classes)
 
 
+def _build_attention(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(input_shape) != 1:
+        raise ValueError(f"model 'attention' needs token sequences of shape (length,), got {input_shape}")
+    return Attention(SEQUENCE_VOCAB, input_shape[0], num_classes)
+
+
 MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
+    "attention": _build_attention,
     "lenet": _build_lenet,
     "mlp": _build_mlp,
     "resnet32": _build_resnet32,

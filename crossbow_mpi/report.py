@@ -4,6 +4,7 @@ their metrics.jsonl (and config.json for the legend), and prints each run's time
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,10 +95,25 @@ def summary_line(run: RunRecords) -> str:
     else:
         outcome = f"target {target:.2%} reached in {reached:.1f} s"
     unfinished = "" if run.of("summary") else "; no summary record (stopped early or still running)"
+    settled = settle_epoch(_throughput(run)) if _batch_changes(run) else None
+    settling = "" if settled is None else f"; 90 % of settled samples/s reached at epoch {settled:.3f}"
     return (
         f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
-        f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{unfinished}"
+        f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{settling}{unfinished}"
     )
+
+
+def settle_epoch(throughput: list[tuple[float, float]]) -> float | None:
+    """The first epoch at which samples/s reaches 90 % of its settled value, the median over the second half of
+    the (epoch, samples/s) evaluations; None with fewer than two."""
+    if len(throughput) < 2:
+        return None
+    settled = statistics.median(rate for _, rate in throughput[len(throughput) // 2 :])
+    return next(epoch for epoch, rate in throughput if rate >= 0.9 * settled)
+
+
+def _throughput(run: RunRecords) -> list[tuple[float, float]]:
+    return [(r["epoch"], r["samples_per_s"]) for r in run.evaluations]
 
 
 def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
@@ -127,6 +143,14 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
                 "training time (s)",
                 "batch size per learner; p_i × 100",
                 _draw_batches,
+            )
+        )
+        panels.append(
+            (
+                "Throughput while the batch sizes adapt (dotted: 90 % of settled samples/s reached)",
+                "epoch",
+                "samples/s (all ranks)",
+                _draw_settling,
             )
         )
     if any(EAGER_FRESH in r for run in runs for r in run.evaluations):
@@ -198,6 +222,15 @@ def _draw_batches(ax, run: RunRecords, color) -> None:
         ax.annotate(str(rank), points[-1], color=color, fontsize=8)
         shares = [(c["time_s"], 100 * c["measured"]["shares"][rank]) for c in changes if "measured" in c]
         ax.plot([t for t, _ in shares], [p for _, p in shares], color=color, linestyle=":", marker=".")
+
+
+def _draw_settling(ax, run: RunRecords, color) -> None:
+    """Draw samples/s per epoch and mark where it first reaches 90 % of its settled value."""
+    throughput = _throughput(run)
+    ax.plot([epoch for epoch, _ in throughput], [rate for _, rate in throughput], color=color, marker=".")
+    settled = settle_epoch(throughput)
+    if settled is not None:
+        ax.axvline(settled, color=color, linestyle=":")
 
 
 def _draw_optimizer(ax, run: RunRecords, color) -> None:

@@ -71,7 +71,7 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
-    from crossbow_mpi.runtime import process
+    from crossbow_mpi.runtime import process, ulfm
     from crossbow_mpi.training.checkpoint import CheckpointError
     from crossbow_mpi.training.trainer import DivergenceError
 
@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv, quiet=rank != 0)
         return run(config, rank)
+    except ulfm.RankLost as err:
+        if ulfm.leader(rank):
+            print(f"crossbow_mpi: error: {err}; resume with --resume on the ranks left", file=sys.stderr, flush=True)
+        return ulfm.EXIT_RANK_LOST
     except (ConfigError, CheckpointError, DivergenceError) as err:
         if rank == 0:
             print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
@@ -125,8 +129,8 @@ def run(config: Config, rank: int) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if code == EXIT_PREEMPTED:
-        from crossbow_mpi.runtime import process
+    from crossbow_mpi.runtime import process, ulfm
 
-        process.exit_promptly(code)
+    if code == EXIT_PREEMPTED or ulfm.shrunk():
+        process.exit_promptly(code, finalize=not ulfm.shrunk())
     sys.exit(code)

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared by launch/slurm.sbatch and launch/pbs.sh; source it from the repository root.
+# Shared by launch/local.sh, launch/slurm.sbatch and launch/pbs.sh; source it from the repository root.
 # Whether to resume and whether to submit again are read from the run's own files, never from the launcher's
 # exit code (srun and mpirun report the signal of a rank they killed instead of the code it was exiting with).
 
@@ -19,3 +19,13 @@ stopped_by_signal() {
     [ -f "$1/metrics.jsonl" ] &&
         awk -v skip="$2" 'NR > skip && /^\{"event": "preempted"/ { found = 1 } END { exit !found }' "$1/metrics.jsonl"
 }
+
+# With CROSSBOW_FT=1 a rank that dies (a killed process) does not end the job: mpirun's flag for
+# Open MPI 5's ULFM, and the training flag that goes on with the survivors (docs/failures.md). Flags given to the
+# script come later, so they override it.
+# shellcheck disable=SC2034  # used by the scripts that source this file
+if [ "${CROSSBOW_FT:-0}" = 1 ]; then
+    ft_mpirun=(--with-ft ulfm) ft_train=(--on-rank-loss continue)
+else
+    ft_mpirun=() ft_train=()
+fi

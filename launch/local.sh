@@ -8,6 +8,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=/dev/null
 source "${CROSSBOW_VENV:-$root/.venv}/bin/activate"
 cd "$root"
+# shellcheck source=launch/common.sh
+source launch/common.sh
 ranks=${RANKS:-2}
 mpi_args=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
@@ -17,7 +19,8 @@ fi
 # mpirun answers SIGTERM and SIGINT by killing the ranks within half a second, too soon for a checkpoint; it
 # forwards SIGUSR1, on which every rank writes one and exits 75. So this script turns the first two into the third,
 # and runs mpirun in a session of its own, out of reach of the terminal's Ctrl-C.
-setsid mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} python -m crossbow_mpi.train "$@" < /dev/null &
+setsid mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} ${ft_mpirun[@]+"${ft_mpirun[@]}"} \
+    python -m crossbow_mpi.train ${ft_train[@]+"${ft_train[@]}"} "$@" < /dev/null &
 pid=$!
 trap 'kill -USR1 "$pid" 2>/dev/null || true' TERM INT
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done

@@ -9,6 +9,7 @@ import pytest
 from helpers import REPO
 
 COLUMNS = {
+    "faults": {"fault_at", "path", "reached", "wall_s", "lost_s", "recovery_s"},
     "tta": {"layout", "phase", "role", "system", "k", "alpha", "b", "lr", "reached", "tta_s", "min", "max"}
     | {"epochs", "samples_per_s", "vs_ddp_best", "vs_ddp_same"},
     "stat_efficiency": {"phase", "algorithm", "aggregate", "k", "b", "lr", "alpha_rule", "alpha", "reached", "epochs"}
@@ -39,13 +40,17 @@ COLUMNS = {
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
-        "imbalance",
+        "slowdown",
         "algorithm",
+        "lr",
         "reached",
         "tta_s",
-        "accuracy",
-        "samples_per_s",
+        "tta_min_s",
+        "tta_max_s",
         "speedup",
+        "samples_per_s",
+        "bound_share",
+        "settle_epochs",
         "update_balance",
     },
 }

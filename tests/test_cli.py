@@ -104,6 +104,7 @@ BAD_RUNS = {
     "unknown algorithm": (lambda tmp: ["--algorithm", "adam"], "--algorithm: unknown value 'adam'"),
     "unknown model": (lambda tmp: ["--model", "vgg"], "--model: unknown value 'vgg'"),
     "unknown flag": (lambda tmp: ["--learner", "2"], "unrecognized arguments"),
+    "adamw beta of 1": (lambda tmp: ["--optimizer", "adamw", "--beta2", "1"], "--beta1 and --beta2 must be in [0, 1)"),
     "resume without checkpoint": (lambda tmp: ["--resume"], "no valid checkpoint"),
     "run dir is a file": (lambda tmp: ["--run-dir", str(file_in(tmp))], "--run-dir"),
 }

@@ -401,12 +401,27 @@ def test_build_dataset_cifar10(tmp_path):
 
 
 def test_unknown_dataset():
-    assert dataset_names() == ["cifar10", "mnist", "synthetic-cifar", "synthetic-mnist"]
+    assert dataset_names() == ["cifar10", "mnist", "synthetic-cifar", "synthetic-mnist", "synthetic-sequences"]
     with pytest.raises(ValueError) as excinfo:
         build_dataset("imagenet", "", seed=0)
     message = str(excinfo.value)
     assert "\n" not in message and "'imagenet'" in message
     assert all(name in message for name in dataset_names())
+
+
+def test_synthetic_sequences_batches_take_their_first_samples_length():
+    train, test = build_dataset("synthetic-sequences", "", seed=3)
+    assert train.input_shape == (64,) and (len(train), len(test)) == (20000, 2000)
+    assert int(train.lengths.min()) >= 8 and int(train.lengths.max()) <= 64
+    assert bool((train.inputs[0, int(train.lengths[0]) :] == 0).all()) and bool((train.inputs[0, :8] > 0).all())
+    widths = set()
+    for first in range(0, 320, 32):
+        inputs, targets = train.get_batch(torch.arange(first, first + 32))
+        assert inputs.shape == (32, int(train.lengths[first])) and targets.shape == (32,)
+        widths.add(inputs.shape[1])
+    assert len(widths) > 3, f"the batches' lengths hardly vary: {widths}"
+    again, _ = build_dataset("synthetic-sequences", "", seed=3)
+    assert torch.equal(again.inputs, train.inputs) and torch.equal(again.lengths, train.lengths)
 
 
 def test_array_dataset_rejects_bad_targets():

@@ -12,8 +12,10 @@ from torch.nn.utils import parameters_to_vector
 
 from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.algorithms.elastic import normalised_l2
 from crossbow_mpi.config import per_rank
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy, adapt
+from crossbow_mpi.control.lr_schedule import learning_rate
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.runtime import process
@@ -151,6 +153,34 @@ def test_adapt_grows_the_faster_ranks_batches_and_shrinks_the_slower_within_boun
     assert adapt(policy, [0.5, 0.5], (4, 6)) == (4, 6)
 
 
+def test_adaptive_batch_keeps_the_sizes_during_the_warm_up():
+    run = SimpleNamespace(epoch_progress=0.25, algorithm=SimpleNamespace(rounds=True))
+    controller = AdaptiveBatch(BatchPolicy(every=1, smallest=1, largest=64, step=32, fixed_until=0.5), scope=None)
+    assert controller(run, SimpleNamespace(compute_s=1.0, updates=3)) is None
+    assert (controller.steps, controller.history) == (0, []), "nothing measured before the warm-up ends"
+
+
+def test_merge_l2_moves_the_most_and_fewest_updates_weights_by_a_tenth_as_heterogpu():
+    assert normalised_l2([6.0, 2.0, 2.0]) == pytest.approx([6.6, 1.8, 2.0])
+    assert normalised_l2([3.0, 3.0]) == [3.0, 3.0]
+
+
+def test_warm_up_starts_at_warmup_start_and_decay_follows_heterogpu():
+    cfg = parse_config(["--lr", "0.1", "--warmup-epochs", "2", "--warmup-start", "0.01", "--lr-decay", "0.5"])
+    assert learning_rate(0.1, cfg, 0.0)[0] == pytest.approx(0.001)
+    assert learning_rate(0.1, cfg, 1.0)[0] == pytest.approx(0.1 * (0.01 + 0.99 / 2))
+    assert learning_rate(0.1, cfg, 4.0)[0] == pytest.approx(0.1 / (1 + 0.5 * 2))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--warmup-start", "0"], "--warmup-start must be in"), (["--lr-decay", "-1"], "--lr-decay must not be negative")],
+)
+def test_bad_schedule_flags_are_config_errors(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(flags).validate(ALGORITHMS)
+
+
 def test_batch_min_above_batch_max_is_a_config_error():
     with pytest.raises(ConfigError, match="--batch-min 9 exceeds --batch-max 8"):
         parse_config(["--adaptive-batch", "--batch-min", "9", "--batch-max", "8"]).validate(ALGORITHMS)
@@ -164,8 +194,9 @@ def test_adaptive_batch_gives_a_slow_rank_a_smaller_batch_and_the_faster_ones_la
         hp=SimpleNamespace(batch_size=16),
         state=SimpleNamespace(iteration=3),
         algorithm=SimpleNamespace(rounds=False),
+        epoch_progress=0.5,
     )
-    controller = AdaptiveBatch(BatchPolicy(every=3, smallest=4, largest=32, step=4), comm)
+    controller = AdaptiveBatch(BatchPolicy(every=3, smallest=4, largest=32, step=4, fixed_until=0.5), comm)
     step = SimpleNamespace(compute_s=1.0 if comm.rank == slow and comm.size > 1 else 0.25, updates=1)
     assert controller(run, step) is None and controller(run, step) is None
     changes = controller(run, step)

@@ -287,6 +287,16 @@ def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record
     assert requeue == ["scontrol", "requeue", "42"]
 
 
+def test_slurm_with_crossbow_ft_starts_mpirun_with_ulfm_in_the_allocation(batch_dir):
+    root, _, log = batch_dir
+    fake_tool(root / "bin", "mpirun", "exit 0")
+    job = run_slurm(batch_dir, "crashed", CROSSBOW_FT="1", SLURM_NTASKS="16", SLURM_NTASKS_PER_NODE="8")
+    assert job.returncode == 0, job.stderr
+    (mpirun,) = calls(log)
+    assert mpirun[:4] == ["mpirun", "--with-ft", "ulfm", "-n"] and "ppr:8:node:PE=8" in mpirun
+    assert mpirun[mpirun.index("--run-dir") + 2 : mpirun.index("--run-dir") + 4] == ["--on-rank-loss", "continue"]
+
+
 def test_slurm_keeps_the_runs_exit_code_when_the_requeue_fails(batch_dir):
     job = run_slurm(batch_dir, "preempted", scontrol="exit 1")
     assert job.returncode == 137, job.stderr

@@ -75,8 +75,16 @@ def test_deterministic_init_and_no_dropout(name, input_shape):
     assert not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in a.modules())
 
 
+def test_attention_takes_sequences_of_any_length_and_refuses_images():
+    model = build_model("attention", (64,), 10)
+    for length in (8, 64):
+        assert model(torch.randint(32, (4, length)).float()).shape == (4, 10)
+    with pytest.raises(ValueError, match="needs token sequences"):
+        build_model("attention", (1, 28, 28), 10)
+
+
 def test_unknown_model():
-    assert model_names() == ["lenet", "mlp", "resnet32"]
+    assert model_names() == ["attention", "lenet", "mlp", "resnet32"]
     with pytest.raises(ValueError) as excinfo:
         build_model("vgg", (3, 32, 32), 10)
     message = str(excinfo.value)

@@ -14,6 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
+from crossbow_mpi.runtime.ulfm import KILL_VARIABLE
+
 from helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -135,3 +137,20 @@ def test_losing_a_node_ends_the_job_within_30_seconds(cluster, tmp_path):
         if job.poll() is None:
             job.kill()
         job.communicate()
+
+
+def test_the_ranks_of_a_node_killed_under_ulfm_leave_the_other_node_training(cluster, tmp_path):
+    # Killing the whole namespace node (its Open MPI daemon too) ends the job even under --with-ft ulfm with the
+    # 5.0.11 wheel (docs/clusters.md): what survives is the loss of every rank of a node, its daemon alive.
+    run_dir = tmp_path / "survived"
+    args = ["-m", "crossbow_mpi.train", *TRAIN, "--run-dir", str(run_dir), "--epochs", "0.05", "--target-accuracy", "0"]
+    command = cluster.mpirun([*args, "--on-rank-loss", "continue", "--algorithm", "ssgd"])
+    at = command.index("--hostfile")
+    command[at:at] = ["--with-ft", "ulfm", "-x", KILL_VARIABLE]
+    env = dict(ENV, **{KILL_VARIABLE: "2:5,3:5"})  # node 1's ranks
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lost = [r for r in records if r.get("event") == "rank_lost"]
+    assert sorted(rank for r in lost for rank in r["ranks"]) == [2, 3] and lost[-1]["world_size"] == 2, lost
+    assert records[-1]["event"] == "summary" and records[-1]["world_size"] == 2

@@ -209,10 +209,11 @@ def test_more_fragments_than_parameter_tensors_are_refused(comm, shared_tmp):
 def test_elastic_merge_is_the_outer_sgd_step_with_outer_lr_1(comm, shared_tmp):
     """Rounds of one global step, so that every rank takes exactly one step per round and the bits are fixed."""
     train, test = datasets(comm.size, 2)
-    rounds = {"algorithm": "elastic", "learners": 2, "round_samples": 2 * BATCH * comm.size, "merge_momentum": 0.5}
+    rounds = dict(algorithm="elastic", learners=2, round_samples=2 * BATCH * comm.size)
+    merge = dict(local_momentum=True, merge_momentum=0.5)  # μ_z = merge_momentum
     results = {}
     for outer in ("central", "sgd", "nesterov"):
-        cfg = run_config(shared_tmp / outer, **rounds, outer_optimizer=outer, outer_lr=1.0, outer_momentum=0.5)
+        cfg = run_config(shared_tmp / outer, **rounds, **merge, outer_optimizer=outer, outer_lr=1.0, outer_momentum=0.5)
         results[outer] = Trainer(cfg, comm).fit(mlp, train, test).central
     assert torch.equal(results["sgd"], results["central"])
     assert relative_error(results["nesterov"], results["central"]) > 1e-3

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.report import draw, read_run
+from crossbow_mpi.report import RunRecords, draw, read_run, settle_epoch, summary_line
 
 from helpers import (
     HalveLrAt,
@@ -147,3 +147,16 @@ def test_bad_input_exits_2_with_one_line(runs, tmp_path, case):
     done = run_tool("crossbow_mpi.report", *bad_input(runs, tmp_path, case))
     assert_user_error(done, "crossbow_mpi.report", ERRORS[case])
     assert not (tmp_path / "report.png").exists()
+
+
+def test_settle_epoch_is_where_samples_per_s_first_reach_nine_tenths_of_the_settled():
+    throughput = [(0.1, 100.0), (0.2, 850.0), (0.3, 1000.0), (0.4, 950.0), (0.5, 1050.0)]
+    assert settle_epoch(throughput) == 0.3
+    assert settle_epoch(throughput[:1]) is None
+    evaluations = [
+        {"epoch": e, "samples_per_s": r, "test_accuracy": 0.5, "time_s": e, "iteration": 1} for e, r in throughput
+    ]
+    change = {"event": "hyperparams", "time_s": 0.1, "changes": {"batch_size": [[16, 16], [48, 1]]}}
+    adaptive = RunRecords("adaptive", {}, evaluations, [change])
+    assert "90 % of settled samples/s reached at epoch 0.300" in summary_line(adaptive)
+    assert "settled" not in summary_line(RunRecords("fixed", {}, evaluations, []))

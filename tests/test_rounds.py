@@ -95,8 +95,9 @@ def test_adaptive_hogbatch_shrinks_the_slow_ranks_batches(comm, shared_tmp):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("learners, merge_momentum", [(1, 0.0), (2, 0.5)])
-def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_tmp, learners, merge_momentum):
+@pytest.mark.parametrize("learners, local_momentum, base_batch", [(1, False, 0), (2, True, 2 * BATCH)])
+def test_elastic_on_equal_ranks_is_synchronous_averaging(comm, shared_tmp, learners, local_momentum, base_batch):
+    # --merge-l2 with k = 2: equal update counts leave the weights as they are, as in the artifact
     train, test = datasets(comm.size, learners)
     cfg = run_config(
         shared_tmp,
@@ -104,7 +105,10 @@ def test_elastic_averaging_on_equal_ranks_is_synchronous_averaging(comm, shared_
         learners=learners,
         round_samples=comm.size * learners * BATCH,
         eval_every=40,
-        merge_momentum=merge_momentum,
+        local_momentum=local_momentum,
+        merge_momentum=0.5,
+        base_batch=base_batch,
+        merge_l2=learners == 2,
     )
     result = Trainer(cfg, comm).fit(mlp_bn_float64, train, test)
     assert result.iterations == STEPS

@@ -1,5 +1,7 @@
 """CPU+GPU Hogbatch (Ma and Rusu, arXiv 2004.08771): every rank updates one central model asynchronously, each
-with its own batch size (a GPU rank with large batches beside CPU ranks with small ones).
+with its own batch size (a GPU rank with large batches beside CPU ranks with small ones). Their code
+(YMA33/CPU-GPU-SGD) runs lock-free Hogwild CPU threads on a shared model that the GPU copies and overwrites; MPI
+ranks share no memory, so here the shared model is the server's z and every update is applied to it in turn.
 
 It is Omnivore with one group per rank (G = P). A rank's step, at the server, applied to whatever z is then:
 
@@ -9,7 +11,8 @@ It is Omnivore with one group per rank (G = P). A rank's step, at the server, ap
 Within a round each rank takes the next batch as soon as it is free, so a faster rank makes more updates. Each
 evaluation record carries every rank's update count and the staleness histogram. With `--adaptive-batch`
 (Adaptive Hogbatch), after every window of `--adapt-every` rounds rank i's share of the updates p_i moves its
-batch size toward balanced update counts: b_i grows when p_i > 1/P and shrinks when p_i < 1/P.
+batch size toward balanced update counts: b_i grows when p_i > 1/P and shrinks when p_i < 1/P (HeteroGPU's
+rule, crossbow_mpi.control.adaptive_batch; the Adaptive Hogbatch code is not released).
 """
 
 from crossbow_mpi.algorithms.omnivore import Omnivore

@@ -2,6 +2,8 @@
 
 Learner j, every iteration (`local_step`, the learner's own):
     g = ∇ℓ(w_j) + λ w_j;  v_j ← μ v_j − η g;  c_j = α (w_j − z);  w_j ← w_j + v_j − c_j
+    (with `--clip-grad-norm c`, ∇ℓ(w_j) ← ∇ℓ(w_j) · min(1, c / (‖∇ℓ(w_j)‖ + 10⁻⁶)) first; with another optimizer
+    than sgd, c_j = α (w_j − z);  w_j ← (learner j's optimizer step of w_j with ∇ℓ(w_j)) − c_j)
 Sync, every iteration:
     Δz = Σ_ranks Σ_j c_j;  Δz ← Δz + μ_z u;  u ← Δz;  z ← z + Δz
     (μ_z = 0 while the learners' μ is 0, as CROSSBOW's synch/sma.c applies its central momentum only when the
@@ -34,6 +36,7 @@ from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
 from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.optimizers import clip_rows
 from crossbow_mpi.replicas.state import HyperParams
 
 
@@ -82,8 +85,15 @@ class SynchronousModelAveraging(Algorithm):
         hp, learners, z = self.hp, self.learners, self.central.params
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
         corrections = self.staged_rows(rows)
+        if hp.clip_grad_norm:
+            clip_rows(g, hp.clip_grad_norm)
         if self.fused_update is not None:
             self.fused_update(w, v, g, z, corrections, lr, hp.weight_decay, hp.momentum, self.alpha)
+            return
+        if learners.optimizers is not None:
+            torch.sub(w, z, out=corrections).mul_(self.alpha)
+            learners.optimizers.step(rows, g, lr)
+            w.sub_(corrections)
             return
         g.add_(w, alpha=hp.weight_decay)
         v.mul_(hp.momentum).sub_(g, alpha=lr)

@@ -66,6 +66,14 @@ class Communicator(ABC):
         """Stop the threads and free the communicators this transport made for itself; those it was given stay
         (collective; after the algorithm's `drain`, when no message is in flight)."""
 
+    def mpi_comms(self) -> list:
+        """Return the MPI communicators this scope's collectives use (to revoke them all after a rank loss)."""
+        return [self.mpi_comm]
+
+    # Not abstract, as close.
+    def abandon(self) -> None:  # noqa: B027
+        """Release what this scope holds beside MPI without its peers, which may be dead (after a rank loss)."""
+
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         """Return every rank's bytes, in rank order, on every rank."""
         sizes = np.empty(self.size, dtype=np.int64)

@@ -41,6 +41,9 @@ class HierarchicalCommunicator(MpiCommunicator):
         self.leaders = MpiCommunicator(leaders) if leaders != MPI.COMM_NULL else None
         self.nodes = int(self.allreduce_sum_numbers([float(self.leaders is not None)])[0])
 
+    def mpi_comms(self) -> list:
+        return [self.mpi_comm, self.node.mpi_comm] + ([self.leaders.mpi_comm] if self.leaders is not None else [])
+
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         return self.allreduce_cast_(tensor, tensor.dtype)
 

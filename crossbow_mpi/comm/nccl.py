@@ -111,6 +111,12 @@ class NcclCommunicator(Communicator):
             self.comm.destroy()
             self.comm = None
 
+    def abandon(self) -> None:
+        """Abort the NCCL communicator: its collectives in flight with a dead rank would never complete."""
+        if self.comm is not None:
+            self.comm.abort()
+            self.comm = None
+
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         self._run(
             tensor,

@@ -1,13 +1,17 @@
-"""Adaptive batch sizes (Ma and Rusu's Adaptive Hogbatch rule): every window of `every` iterations, compare each
-rank's share of the updates p_i with 1/P and move its batch size by `step` within [`smallest`, `largest`]:
+"""Adaptive batch sizes (HeteroGPU's rule: Ma, Rusu, Wu and Sim's adaptive elastic training, YMA33/HeteroGPU
+`Scheduler/source/GPUGDScheduler.cu`, ±32 at every merge within [32, 1024]): every window of `every` iterations,
+compare each rank's share of the updates p_i with 1/P and move its batch size by `step` within [`smallest`,
+`largest`]:
 
     p_i = u_i / Σ_q u_q                  asynchronous rounds (hogbatch, elastic): u_i rank i's updates in the window
     p_i = (1 / t_i) / Σ_q (1 / t_q)      synchronous algorithms: t_i rank i's mean compute seconds per step, so
                                          p_i is the share of the updates it would make at its own pace
     p_i > 1/P and b_i < largest:  b_i += step;     p_i < 1/P and b_i > smallest:  b_i −= step
 
-A faster rank gets a larger batch: update counts even out in hogbatch, step times (so no rank waits at the
-sync) in the synchronous algorithms, where S-SGD still averages by samples. It is a controller: it returns
+The sizes stay fixed during the learning-rate warm-up, as the artifact's do. A faster rank gets a larger batch:
+update counts even out in hogbatch and elastic, step times (so no rank waits at the sync) in the synchronous
+algorithms, where S-SGD still averages by samples. (Ma and Rusu's Adaptive Hogbatch, arXiv 2004.08771, balances
+update counts too, but its rule is not in their released code, YMA33/CPU-GPU-SGD.) It is a controller: it returns
 `batch_size`, one per rank, the same on every rank, with the shares p_i it measured (written into the change's
 record).
 """
@@ -31,6 +35,8 @@ class BatchPolicy:
     """Largest batch size per learner."""
     step: int
     """Change of a rank's batch size per window."""
+    fixed_until: float = 0.0
+    """Epochs during which the sizes stay fixed (the learning-rate warm-up)."""
 
 
 def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -59,6 +65,8 @@ class AdaptiveBatch:
     history: list[dict] = field(default_factory=list)
 
     def __call__(self, run, step) -> dict | None:
+        if run.epoch_progress < self.policy.fixed_until:
+            return None
         self.seconds += step.compute_s
         self.steps += 1
         self.updates += step.updates

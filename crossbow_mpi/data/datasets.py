@@ -299,6 +299,50 @@ def synthetic_dataset(input_shape: Sequence[int], num_classes: int, size: int, s
     return ArrayDataset(inputs, targets, num_classes=num_classes)
 
 
+SEQUENCE_LENGTH = 64
+"""synthetic-sequences: the longest sequence (and the padded width)."""
+SEQUENCE_VOCAB = 32
+"""synthetic-sequences: tokens 1..31; 0 pads."""
+SEQUENCE_CLASSES = 10
+
+
+class SequenceDataset(ArrayDataset):
+    """Token sequences of varying length, padded with 0 to one width. A batch is cut to the length of its first
+    sample (its length bucket, as batching by length does), so a step's cost varies from batch to batch without
+    any injected delay: the inherent imbalance of eager-SGD's paper (Li et al., PPoPP 2020: video clips of varying
+    length)."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int, lengths: torch.Tensor):
+        super().__init__(inputs, targets, num_classes)
+        self.lengths = lengths
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = int(self.lengths[indices[0]]) if len(indices) else 1
+        return self.inputs[indices, :width], self.targets[indices]
+
+
+def synthetic_sequences(size: int, seed: int) -> SequenceDataset:
+    """Draw sequences of log-uniform length in [8, SEQUENCE_LENGTH]: each token is, with probability 1/4, one of
+    its class's three tokens, else uniform over the vocabulary; every prefix carries the class."""
+    generator = torch.Generator().manual_seed(seed)
+    targets = torch.randint(SEQUENCE_CLASSES, (size,), generator=generator)
+    lengths = (2 ** (3 + 3 * torch.rand(size, generator=generator))).floor().long()
+    noise = torch.randint(1, SEQUENCE_VOCAB, (size, SEQUENCE_LENGTH), generator=generator)
+    signal = 1 + 3 * targets[:, None] + torch.randint(3, (size, SEQUENCE_LENGTH), generator=generator)
+    tokens = torch.where(torch.rand(size, SEQUENCE_LENGTH, generator=generator) < 0.25, signal, noise)
+    tokens[torch.arange(SEQUENCE_LENGTH) >= lengths[:, None]] = 0
+    return SequenceDataset(tokens.float(), targets, SEQUENCE_CLASSES, lengths)
+
+
+def _build_sequences(data_dir: str, seed: int, train_size: int, test_size: int) -> tuple[ArrayDataset, ArrayDataset]:
+    full = synthetic_sequences(train_size + test_size, seed)
+    train, test = (
+        SequenceDataset(full.inputs[part], full.targets[part], SEQUENCE_CLASSES, full.lengths[part])
+        for part in (slice(None, train_size), slice(train_size, None))
+    )
+    return train, test
+
+
 class Loader(Protocol):
     """A real dataset's reader: its training or test split from `data_dir`."""
 
@@ -329,6 +373,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     "cifar10": (CIFAR10_IMAGE_SHAPE, CIFAR10_NUM_CLASSES),
     "synthetic-mnist": (MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES),
     "synthetic-cifar": (CIFAR10_IMAGE_SHAPE, CIFAR10_NUM_CLASSES),
+    "synthetic-sequences": ((SEQUENCE_LENGTH,), SEQUENCE_CLASSES),
 }
 """Each dataset's input shape (without the batch dimension) and number of classes."""
 
@@ -345,6 +390,7 @@ DATASETS: dict[str, Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]] = {
     "cifar10": functools.partial(_build_real, load_cifar10),
     "synthetic-mnist": _synthetic("synthetic-mnist", train_size=60000, test_size=10000),
     "synthetic-cifar": _synthetic("synthetic-cifar", train_size=50000, test_size=10000),
+    "synthetic-sequences": functools.partial(_build_sequences, train_size=20000, test_size=2000),
 }
 
 

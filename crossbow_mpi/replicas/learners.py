@@ -10,6 +10,7 @@ from torch import nn
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.flat import FlatLayout, take_gradients
+from crossbow_mpi.replicas.optimizers import OptimizerFn, RowOptimizers
 
 
 class CentralModel:
@@ -21,6 +22,12 @@ class CentralModel:
         self.u = torch.zeros(layout.num_params, dtype=self.z.dtype, device=self.z.device)
         self.module = module
         layout.bind(module, self.z)
+        self.optimizer: RowOptimizers | None = None
+        """z's optimizer, where the algorithm steps z with one (`use_optimizer`); None: its momentum u."""
+
+    def use_optimizer(self, optimizer_fn: OptimizerFn) -> None:
+        """Step z's parameters with an optimizer from `optimizer_fn` (S-SGD, eager)."""
+        self.optimizer = RowOptimizers(optimizer_fn, self.params.unsqueeze(0))
 
     @property
     def params(self) -> torch.Tensor:
@@ -31,13 +38,17 @@ class CentralModel:
         return self.z[self.layout.num_params :]
 
     def state_dict(self) -> dict:
-        """Return z, u and z's extra state (frozen parameters and non-float buffers, as bytes)."""
-        return {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
+        """Return z, u, z's extra state (frozen parameters and non-float buffers, as bytes) and its optimizer's state
+        where it has one."""
+        state = {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
+        return state if self.optimizer is None else {**state, "optimizer": _squeeze(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.z.copy_(state["z"])
         self.u.copy_(state["u"])
         self.layout.load_extra_state_bytes(self.module, state["extra"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict({name: t.unsqueeze(0) for name, t in state.get("optimizer", {}).items()})
 
     def broadcast_extra_state(self, comm) -> None:
         """Give z rank 0's frozen parameters and non-float buffers (collective, at start; over the control plane,
@@ -86,6 +97,9 @@ class Learners:
         self.shares_z = False
         """Whether every learner's parameters are z's; then the parameter columns of `weights` are unused, and NaN
         so that a read of them shows."""
+        self.optimizer_fn: OptimizerFn | None = None
+        self.optimizers: RowOptimizers | None = None
+        """Each learner's optimizer, where the algorithm steps the learners with one (`use_optimizer`)."""
         self.resize(k, central.z)
 
     @property
@@ -122,6 +136,16 @@ class Learners:
         self._bind()
         self.grad_views = [self.layout.param_views(row) for row in self.grads]
         self.buffer_refs = [self.layout.buffer_refs(m) for m in (*self.modules, self.central.module)]
+        if self.optimizer_fn is not None:
+            state = self.optimizers.state_dict() if self.optimizers is not None else None
+            self.use_optimizer(self.optimizer_fn)
+            self.optimizers.load_state_dict(state)  # type: ignore[union-attr]
+
+    def use_optimizer(self, optimizer_fn: OptimizerFn) -> None:
+        """Step each learner's parameters with its own optimizer from `optimizer_fn` (SMA, elastic)."""
+        assert not self.shares_z, "a learner's optimizer steps its own row"
+        self.optimizer_fn = optimizer_fn
+        self.optimizers = RowOptimizers(optimizer_fn, self.params)
 
     def share_z(self, shares: bool) -> None:
         """Bind every learner's parameters to z (True) or to its own row, which starts as z (False)."""
@@ -143,18 +167,22 @@ class Learners:
         """Move the gradients that learner j's backward passes left on its parameters into row j of `grads`."""
         take_gradients(self.trainable[j], self.grad_views[j])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict:
         weights = self.weights.clone()
         weights[:, : self.layout.num_params] = self.params
-        return {"weights": weights, "momentum": self.momentum.clone()}
+        state = {"weights": weights, "momentum": self.momentum.clone()}
+        return state if self.optimizers is None else {**state, "optimizer": self.optimizers.state_dict()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor] | None, z: torch.Tensor) -> None:
+    def load_state_dict(self, state: dict | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
-        state's (all of them, for None) start from z with zero momentum, and the state's extra rows are dropped.
+        state's (all of them, for None) start from z with zero momentum and fresh optimizer state, and the state's
+        extra rows are dropped.
         Every learner takes z's extra state."""
         self.take_extra_state()
         self.reset_to(z)
         self.momentum.zero_()
+        if self.optimizers is not None:
+            self.optimizers.load_state_dict(None if state is None else state.get("optimizer"))
         if state is None:
             return
         fit = min(self.k, len(state["weights"]))
@@ -183,6 +211,11 @@ class Learners:
         targets = _buffers([ref for refs in others for ref in refs])
         if targets:  # one multi-tensor copy: BatchNorm gives every model such buffers, so keep it cheap
             torch._foreach_copy_(targets, _buffers(first) * len(others))
+
+
+def _squeeze(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One row's optimizer state: each matrix's only row."""
+    return {name: matrix[0] for name, matrix in state.items()}
 
 
 def _buffers(refs: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:

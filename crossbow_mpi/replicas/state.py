@@ -82,7 +82,7 @@ class HyperParams(_Serialised):
     central_momentum: float
     """SMA: momentum μ_z of the central model's updates (see `central_momentum_always`)."""
     merge_momentum: float
-    """elastic: momentum μ_z of the central model's step to each round's merged model."""
+    """elastic with `local_momentum`: momentum μ_z of the central model's step to each round's merged model."""
     batch_size: int | tuple[int, ...]
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
     central_momentum_always: bool = False
@@ -103,10 +103,22 @@ class HyperParams(_Serialised):
     """SMA with an outer optimizer: steps a sync's reduction overlaps the compute before it applies."""
     sync_dtype: str = "fp32"
     """SMA: the sync message's type on the wire (`fp32`, `bf16`, `fp16`); sums are taken in float32."""
+    clip_grad_norm: float = 0.0
+    """Largest L2 norm of a gradient an update takes (0: no clipping)."""
+    local_momentum: bool = False
+    """elastic: μ in the local steps and `merge_momentum` at the merge (default: μ at the merge, as HeteroGPU)."""
+    base_batch: float = 0.0
+    """elastic: base batch B of the local step size η·b_i/B; 0: the mean of `batch_size` at the start."""
+    merge_l2: bool = False
+    """elastic: HeteroGPU's adaptive normalisation of the merge weights."""
 
     @classmethod
     def from_config(cls, config) -> HyperParams:
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        hp = cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+        if not hp.base_batch:
+            sizes = hp.batch_size if isinstance(hp.batch_size, tuple) else (hp.batch_size,)
+            hp.base_batch = sum(sizes) / len(sizes)
+        return hp
 
     def update(self, **changes) -> dict:
         """Change some values; return {name: [old, new]} for those that changed."""

@@ -176,11 +176,13 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(value)
 
 
-def exit_promptly(code: int) -> None:
-    """End this process with `code` as soon as every rank got here: finalize MPI together, then skip Python's
-    teardown, so that no rank is still tearing down when the launcher reacts to the first non-zero exit (srun
-    --kill-on-bad-exit kills the others, and reports their signal instead of the code)."""
-    mpi().Finalize()
+def exit_promptly(code: int, finalize: bool = True) -> None:
+    """End this process with `code` as soon as every rank got here: finalize MPI together (unless not
+    `finalize`), then skip Python's teardown, so that no rank is still tearing down when the launcher reacts to
+    the first non-zero exit (srun --kill-on-bad-exit kills the others, and reports their signal instead of the
+    code)."""
+    if finalize:
+        mpi().Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

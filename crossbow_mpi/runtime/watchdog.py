@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.runtime import ulfm
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -72,6 +73,13 @@ class Watchdog:
         self.thread.join()
 
     def _run(self) -> None:
+        try:
+            self._beat()
+        except Exception as err:
+            if not ulfm.is_rank_loss(err):
+                raise  # a peer that died (ULFM) ends the heartbeats: the training loop's collectives see it too
+
+    def _beat(self) -> None:
         self.incoming = np.zeros(2, dtype=np.int64)
         self.request = self.channel.irecv_any(self.incoming, HEARTBEAT_TAG)
         sends: list[MPI.Request] = []

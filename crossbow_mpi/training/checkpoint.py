@@ -10,10 +10,14 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
     /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
+    /central/optimizer/<name>                  z's optimizer state (S-SGD, eager with another optimizer than sgd:
+                                               [num_params] per-weight state, [] a count; absent: none)
     /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r), controllers (JSON: the state of each
                          hyper-parameter controller on rank r, null for one without; absent: none)
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
     /ranks/<r>/momentum  [k_r, num_params]
+    /ranks/<r>/optimizer/<name>                rank r's learners' optimizer state (SMA, elastic with another
+                                               optimizer than sgd: [k_r, num_params], or [k_r] for a count)
     /ranks/<r>/rng       uint8                 JSON of rank r's Python, NumPy and torch generator states
 
 With pipeline stages (M > 1) the central model is sharded by stage: /stages/<s>/central/{z,u,extra} hold stage s's
@@ -89,10 +93,11 @@ def save(
         _bytes(learners["weights"]),
         _bytes(learners["momentum"]),
         json.dumps(snapshot["rng"]).encode(),
+        _pack(learners.get("optimizer", {})),
     ]
     gathered = [world.gather_bytes(part) for part in rank_parts]
     central = snapshot["central"]
-    central_parts = [_bytes(central["z"]), _bytes(central["u"]), central["extra"]]
+    central_parts = [_bytes(central["z"]), _bytes(central["u"]), central["extra"], _pack(central.get("optimizer", {}))]
     centrals = [world.gather_bytes(part if world.rank < stages else b"") for part in central_parts]
     path = checkpoint_path(run_dir, train["iteration"])
     error = None
@@ -119,6 +124,37 @@ def _reason(err: Exception) -> str:
 
 def _bytes(tensor: torch.Tensor) -> bytes:
     return np.ascontiguousarray(tensor.detach().cpu().numpy()).tobytes()
+
+
+def _pack(state: dict[str, torch.Tensor]) -> bytes:
+    """Optimizer state as bytes: an 8-byte length, JSON {name: [dtype, shape]}, then each tensor's raw bytes."""
+    meta = json.dumps({name: [t.cpu().numpy().dtype.str, list(t.shape)] for name, t in state.items()}).encode()
+    return len(meta).to_bytes(8, "little") + meta + b"".join(_bytes(t) for t in state.values())
+
+
+def _unpack(data: bytes) -> dict[str, np.ndarray]:
+    """Read what `_pack` wrote."""
+    length = int.from_bytes(data[:8], "little")
+    state, offset = {}, 8 + length
+    for name, (dtype, shape) in json.loads(data[8 : 8 + length]).items():
+        array = np.frombuffer(data, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset)
+        state[name], offset = array.reshape(shape), offset + array.nbytes
+    return state
+
+
+def _write_optimizer(group, data: bytes) -> None:
+    """Write packed optimizer state as the datasets of `group`/optimizer (nothing for none)."""
+    state = _unpack(data)
+    if state:
+        optimizer = group.create_group("optimizer")
+        for name, array in state.items():
+            optimizer.create_dataset(name, data=array)
+
+
+def _read_optimizer(f, group: str) -> bytes:
+    """Pack the optimizer state under `group`/optimizer (none where absent)."""
+    held = f.get(f"{group}/optimizer")
+    return _pack({} if held is None else {name: torch.from_numpy(held[name][...]) for name in held})
 
 
 def _on_root(gathered: list[list[bytes] | None]) -> list[list[bytes]]:
@@ -153,13 +189,15 @@ def _write(
         group.attrs["algorithm"] = json.dumps(snapshot["algorithm"])
         group.attrs["choice"] = json.dumps(snapshot["choice"])
         sizes = []
-        for stage, (z, u, extra) in enumerate(zip(*centrals, strict=True)):
+        for stage, (z, u, extra, optimizer) in enumerate(zip(*centrals, strict=True)):
             group = f.create_group(central_group(stage, stages))
             group.create_dataset("z", data=np.frombuffer(z, dtype=dtype))
             group.create_dataset("u", data=np.frombuffer(u, dtype=dtype))
             group.create_dataset("extra", data=np.frombuffer(extra, dtype=np.uint8))
+            _write_optimizer(group, optimizer)
             sizes.append((group["z"].size, group["u"].size))
-        for rank, (hyperparams, controllers, weights, momentum, rng) in enumerate(zip(*gathered, strict=True)):
+        for rank, parts in enumerate(zip(*gathered, strict=True)):
+            hyperparams, controllers, weights, momentum, rng, optimizer = parts
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
             group.attrs["controllers"] = controllers.decode()
@@ -167,6 +205,7 @@ def _write(
             group.create_dataset("weights", data=np.frombuffer(weights, dtype=dtype).reshape(-1, num_state))
             group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=dtype).reshape(-1, num_params))
             group.create_dataset("rng", data=np.frombuffer(rng, dtype=np.uint8))
+            _write_optimizer(group, optimizer)
         f.attrs["complete"] = True
         f.flush()
         os.fsync(f.id.get_vfd_handle())
@@ -279,13 +318,17 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     z = _tensor(world.scatter_bytes(arrays.get("z")), header["dtype"])
     u = _tensor(world.scatter_bytes(arrays.get("u")), header["dtype"])
     extra = world.scatter_bytes(arrays.get("extra"))
-    weights, momentum, rng = (world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng"))
+    weights, momentum, rng, optimizer = (
+        world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng", "optimizer")
+    )
+    central_optimizer = _torch(_unpack(world.scatter_bytes(arrays.get("central_optimizer"))))
     mine = world.rank < header["world_size"]
     learners = None
     if mine:
         learners = {
             "weights": _tensor(weights, header["dtype"]).view(-1, z.numel()),
             "momentum": _tensor(momentum, header["dtype"]).view(-1, u.numel()),
+            "optimizer": _torch(_unpack(optimizer)),
         }
     source = world.rank if mine else 0
     snapshot = {
@@ -296,7 +339,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         "hyperparams": header["hyperparams"][source],
         "controllers": header["controllers"][world.rank] if mine else [],
         "k": header["learners"][source],
-        "central": {"z": z, "u": u, "extra": extra},
+        "central": {"z": z, "u": u, "extra": extra, "optimizer": central_optimizer},
         "learners": learners,
         "rng": json.loads(rng) if mine else None,
     }
@@ -322,6 +365,8 @@ def _read_arrays(path: str, world_size: int) -> dict:
             "weights": per_rank("weights"),
             "momentum": per_rank("momentum"),
             "rng": per_rank("rng"),
+            "optimizer": [_read_optimizer(f, f"ranks/{r}") if r < held else _pack({}) for r in range(world_size)],
+            "central_optimizer": [_read_optimizer(f, central_group(r % stages, stages)) for r in range(world_size)],
         }
 
 
@@ -349,6 +394,10 @@ def _read_header(run_dir: str, layout_signature: str) -> dict:
             "learners": [f[f"ranks/{r}/weights"].shape[0] for r in range(held)],
             "notes": [*notes, f"resumed from {path.name}"],
         }
+
+
+def _torch(state: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(array.copy()) for name, array in state.items()}
 
 
 def _tensor(data: bytes, dtype: str) -> torch.Tensor:

@@ -429,6 +429,11 @@ class Components:
         self.progress.close()
         run.engine.close()
 
+    def channels(self) -> list:
+        """Return the MPI communicators of the control channels (the stop votes', the watchdog's)."""
+        watchdog = [self.watchdog.channel.mpi_comm] if isinstance(self.watchdog, Watchdog) else []
+        return [self.stopping.channel.mpi_comm, *watchdog]
+
     def close(self, failed: bool = False) -> None:
         """Stop the watchdog and close the metrics (collective, unless the run failed on this rank)."""
         self.watchdog.stop() if failed else self.watchdog.close()

@@ -23,6 +23,7 @@ from crossbow_mpi.replicas.engines import LearnerEngine
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.kernels import fuse
 from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.optimizers import OptimizerFn
 from crossbow_mpi.replicas.state import HyperParams, TrainState
 from crossbow_mpi.runtime import process
 from crossbow_mpi.runtime.imbalance import Imbalance
@@ -93,8 +94,11 @@ class Run:
         train_set,
         learners: int,
         imbalance: Imbalance | None = None,
+        optimizer_fn: OptimizerFn | None = None,
     ):
         self.topology = topology
+        self.optimizer_fn = optimizer_fn
+        """What steps the weights where not the algorithms' momentum SGD (crossbow_mpi.replicas.optimizers)."""
         self.engine = engine
         self.imbalance = imbalance
         torch.manual_seed(config.seed)
@@ -127,7 +131,10 @@ class Run:
         algorithm = ALGORITHMS[name]
         transport = build_transport(algorithm.transport_kind, self.topology.data, self.config, self.topology.group)
         built = algorithm(self.hp, transport, self.central, self.learners)
-        if self.config.fused_step:
+        if self.optimizer_fn is not None:
+            owner = self.central if built.learners_share_z else self.learners  # z's optimizer, or each learner's
+            owner.use_optimizer(self.optimizer_fn)
+        elif self.config.fused_step and not self.config.clip_grad_norm:
             fuse(built, self.central.z.device)
         return built
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.topology import Topology
-from crossbow_mpi.config import Config, ConfigError, per_rank, values
+from crossbow_mpi.config import Config, ConfigError, per_rank, refuse_recipe, values
 from crossbow_mpi.control.adaptive_batch import AdaptiveBatch, BatchPolicy
 from crossbow_mpi.control.omnivore_search import optimizes
 from crossbow_mpi.data.checks import check_samples
@@ -31,7 +32,8 @@ from crossbow_mpi.parallel.partition import time_cut
 from crossbow_mpi.parallel.pipeline import build_pipeline, load_stages
 from crossbow_mpi.replicas.engines import build_engine, check_engine
 from crossbow_mpi.replicas.flat import FlatLayout
-from crossbow_mpi.runtime import process
+from crossbow_mpi.replicas.optimizers import OptimizerFn, check_optimizer_fn, config_optimizer_fn
+from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import parse_imbalance
 from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, OutputFn
@@ -112,6 +114,8 @@ class Trainer:
         rendezvous(world, config.collective_timeout, "Trainer(config)")
         agree(world, process.check_launch)
         agree(world, lambda: config.validate(ALGORITHMS))
+        if config.min_ranks > world.size:
+            raise ConfigError(f"--min-ranks {config.min_ranks} exceeds the job's {world.size} ranks")
         if config.tensorboard:
             agree(world, summary_writer_class)
         configs = world.allgather_json(dataclasses.asdict(config))
@@ -156,10 +160,15 @@ class Trainer:
         loss_fn=F.cross_entropy,
         test_set=None,
         output_fn: OutputFn | None = None,
+        optimizer_fn: OptimizerFn | None = None,
     ) -> Run:
         """Build the run on every rank (collective): z broadcast, learners, algorithm, engine, data position; check
-        a few samples of each dataset against the model first."""
+        a few samples of each dataset against the model first. `optimizer_fn(params)` (a torch.optim optimizer)
+        steps what the algorithm steps instead of `--optimizer` (crossbow_mpi.replicas.optimizers)."""
         cfg, world = self.config, self.topology.world
+        if optimizer_fn is not None:
+            refuse_recipe(cfg, "optimizer_fn")
+            agree(world, functools.partial(check_optimizer_fn, optimizer_fn))
         learners = cfg.learners if isinstance(cfg.learners, int) else 1
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         _check_same_datasets(world, train_set, test_set)
@@ -172,7 +181,8 @@ class Trainer:
             )
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
-        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance)
+        optimizer_fn = optimizer_fn or config_optimizer_fn(cfg)
+        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance, optimizer_fn)
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
                 check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
@@ -187,6 +197,7 @@ class Trainer:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
         output_fn: OutputFn | None = None,
         controllers: Sequence[Controller] = (),
+        optimizer_fn: OptimizerFn | None = None,
     ) -> FitResult:
         """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
 
@@ -196,18 +207,25 @@ class Trainer:
         cfg, world = self.config, self.topology.world
         rendezvous(world, cfg.collective_timeout, "Trainer.fit")
         agree(world, lambda: _check_test_set(test_set))
-        run = self.start(model_fn, train_set, loss_fn, test_set, output_fn)
+        inputs = _Inputs(model_fn, train_set, test_set, loss_fn, output_fn, controllers, optimizer_fn)
+        run = self.start(*inputs.start_args())
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
-        if cfg.adaptive_batch:
-            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step)
-            controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
-        parts = Components.build(cfg, self.topology, run, test_set, loss_fn, output_fn, controllers, self.device)
+        parts = self._components(cfg, run, inputs)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
         for stale in checkpoint.remove_temporaries(cfg.run_dir) if world.rank == 0 else []:
             parts.progress.note(f"removed {stale.name}, left by a run killed while writing it")
+        rollback, clock = ulfm.Rollback(cfg.on_rank_loss == "continue"), Clock()
         try:
             stop = parts.stopping.now() or parts.retuning.choose(run)  # the same outcome on every rank
-            result = self._loop(run, parts, stop)
+            while True:
+                try:
+                    result = self._loop(run, parts, stop, clock, rollback)
+                    break
+                except Exception as err:
+                    if not rollback.enabled or not ulfm.is_rank_loss(err):
+                        raise
+                    run, parts = self._recover(run, parts, clock, rollback, inputs)
+                    stop = False
             if cfg.pipeline_stages > 1:
                 result = _whole_model(result, self.topology.stage, model_fn, run.engine.cut)
         except BaseException:
@@ -217,10 +235,74 @@ class Trainer:
         self.topology.close()
         return result
 
-    def _loop(self, run: Run, c: Components, stop: bool) -> FitResult:
+    def _components(self, cfg: Config, run: Run, inputs: _Inputs) -> Components:
+        """Build the loop's components for `run` (collective; with `cfg.resume`, restore the run)."""
+        controllers = inputs.controllers
+        if cfg.adaptive_batch:
+            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs)
+            controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
+        args = (inputs.test_set, inputs.loss_fn, inputs.output_fn, controllers, self.device)
+        return Components.build(cfg, self.topology, run, *args)
+
+    def _recover(
+        self, run: Run, parts: Components, clock: Clock, rollback: ulfm.Rollback, inputs: _Inputs
+    ) -> tuple[Run, Components]:
+        """Go on without the ranks that died (`_survive`), again on fewer ranks when more die meanwhile."""
+        live, size = [run, parts], self.topology.world.size
+        lost: list[int] = []
+        while True:
+            try:
+                return self._survive(live, lost, clock, rollback, inputs, size)
+            except Exception as err:
+                if not ulfm.is_rank_loss(err):
+                    raise
+
+    def _survive(
+        self, live: list, lost: list[int], clock: Clock, rollback: ulfm.Rollback, inputs: _Inputs, size: int
+    ) -> tuple[Run, Components]:
+        """Go on without the ranks that died (ULFM): revoke every scope, shrink the world to the survivors,
+        rebuild the scopes, the run and its components on them, restore the newest iteration that every survivor
+        holds (the step in flight is dropped on all of them), check that they hold the same z, record the loss
+        and write a checkpoint. `live` holds the run and its components, `lost` the ranks lost so far, `size` the
+        world's before the loss. RankLost when the run cannot go on here (exit 75)."""
+        started, cfg, old, (run, parts) = time.perf_counter(), self.config, self.topology, live
+        scopes = (old.world, old.data, old.group, old.stage)
+        ulfm.revoke([comm for scope in scopes for comm in scope.mpi_comms()] + parts.channels())
+        for scope in scopes:
+            scope.abandon()
+        parts.close(failed=True)
+        run.engine.close()
+        survivors, dead = ulfm.shrink(old.world.mpi_comm)
+        lost[:] = sorted(lost + dead)
+        world = MpiCommunicator(survivors)
+        if cfg.pipeline_stages > 1:
+            raise ulfm.RankLost(f"rank(s) {_names(lost)} died and a pipeline cannot lose a stage")
+        iteration = ulfm.agree_min(survivors, rollback.newest())
+        if iteration < 0:
+            raise ulfm.RankLost(f"rank(s) {_names(lost)} died before the first step")
+        local_rank, local_size, _ = process.node_placement(survivors)
+        data = build_communicator(survivors, cfg.comm, self.device, cfg.hierarchy)
+        self.topology = Topology.data_parallel(world, data, local_rank, local_size)
+        run = self.start(*inputs.start_args())
+        parts = self._components(dataclasses.replace(cfg, resume=False), run, inputs)
+        live[:] = run, parts
+        run.load_state_dict(rollback.at(iteration))
+        if cfg.rank_loss_lr == "linear":
+            run.hp.lr *= world.size / size
+        if len(set(world.allgather_json(ulfm.digest(run.central.z)))) > 1:
+            raise ulfm.RankLost("the survivors hold different central models after the rollback")
+        record = {"event": "rank_lost", "ranks": lost, "world_size": world.size, "iteration": iteration}
+        parts.metrics.write({**record, "lr": run.hp.lr, "recovery_s": time.perf_counter() - started})
+        parts.checkpoints.save(run, clock.elapsed(run.state))
+        if world.size < cfg.min_ranks:
+            raise ulfm.RankLost(f"rank(s) {_names(lost)} died and {world.size} < --min-ranks {cfg.min_ranks} remain")
+        parts.progress.note(f"rank(s) {_names(lost)} died; going on with {world.size} ranks from iteration {iteration}")
+        return run, parts
+
+    def _loop(self, run: Run, c: Components, stop: bool, clock: Clock, rollback: ulfm.Rollback) -> FitResult:
         """Train until the epoch limit, the target accuracy or a stop signal (`stop`: before the first step);
-        evaluate and checkpoint at the end."""
-        cfg, state, clock = self.config, run.state, Clock()
+        evaluate and checkpoint at the end. `rollback` keeps the state before each step."""
+        cfg, state = self.config, run.state
         lr, record, time_limited = c.schedule.current_lr(run), None, False
         if stop:
             run.settle()
@@ -232,6 +314,7 @@ class Trainer:
             lr, dropped = c.schedule.step_lr(run)
             if dropped:
                 c.tuning.on_lr_drop(run)
+            rollback.before_step(state.iteration, run.state_dict)
             step = run.train_step(lr)
             c.divergence.after_step(run, step)
             stop = c.stopping.poll()
@@ -302,6 +385,27 @@ class Trainer:
                 else {}
             ),
         }
+
+
+@dataclass
+class _Inputs:
+    """What `fit` was given, to rebuild the run from on the survivors of a rank loss."""
+
+    model_fn: Callable[[], nn.Module]
+    train_set: object
+    test_set: object
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    output_fn: OutputFn | None
+    controllers: Sequence[Controller]
+    optimizer_fn: OptimizerFn | None
+
+    def start_args(self) -> tuple:
+        """The arguments of `Trainer.start`."""
+        return self.model_fn, self.train_set, self.loss_fn, self.test_set, self.output_fn, self.optimizer_fn
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -> FitResult:

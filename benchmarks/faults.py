@@ -1,0 +1,127 @@
+"""A rank killed during training: going on with the survivors (ULFM) against ending the job and resuming.
+
+    python -m benchmarks.faults [--quick] [--reps 3]
+
+P ranks train S-SGD to the target accuracy, with a checkpoint every eighth of the fault-free run's iterations. A
+rank is SIGKILLed (`CROSSBOW_KILL_AT`) at 25 %, 50 % and 75 % of the fault-free run's iterations, and the run
+reaches the target by one of two paths:
+
+- `ulfm`: `mpirun --with-ft ulfm`, `--on-rank-loss continue`: the P − 1 survivors drop the step in flight and
+  go on (one launch);
+- `restart`: today's path: the job ends, and `--resume` starts it again on P − 1 ranks from the last checkpoint
+  (two launches, the second one's start-up and the steps since the checkpoint counted).
+
+Each path's time is the wall-clock seconds of its launches until the run ends (start-ups included), against the
+same run with no fault (`none`); `lost_s` is the difference. `recovery_s` is the ULFM run's own measure, from the
+survivors' revoke to the checkpoint written after it. `--quick` (2 ranks, an MLP on synthetic data, the 50 %
+fault only) checks that it runs in a few launches.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import harness
+from crossbow_mpi.runtime.ulfm import KILL_VARIABLE
+
+FULL = {
+    "ranks": 4,
+    "faults": (0.25, 0.5, 0.75),
+    "flags": {"model": "lenet", "dataset": "mnist", "target_accuracy": 0.99, "eval_every": 15000, "epochs": 10},
+    "timeout_s": 1800,
+}
+QUICK = {
+    "ranks": 2,
+    "faults": (0.5,),
+    "flags": {k: v for k, v in harness.QUICK_TRAINING.items() if k != "timeout_s"},
+    "timeout_s": harness.QUICK_TRAINING["timeout_s"],
+}
+COMMON = {"algorithm": "ssgd", "batch_size": 16, "lr": 0.01, "learners": 1}
+
+
+def launch(ranks: int, run_dir: str, flags: dict, timeout: float, kill: str = "", ft: bool = False) -> float:
+    """Train on `ranks` ranks in `run_dir`; return the launch's wall-clock seconds (a killed job's too)."""
+    args = ["-m", "crossbow_mpi.train", "--run-dir", run_dir]
+    for key, value in flags.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    started = time.perf_counter()
+    try:
+        harness.mpirun(ranks, args, timeout, {KILL_VARIABLE: kill}, ("--with-ft", "ulfm") if ft else ())
+    except harness.BenchmarkError:
+        if ft or not kill:
+            raise  # only the restart path's first launch ends with the killed rank
+    return time.perf_counter() - started
+
+
+def one_run(path: str, fault: float | None, iterations: int, mode: dict, seed: int) -> dict:
+    """Run one path with a rank killed at `fault` of `iterations` (None: no fault); return its row's numbers."""
+    ranks, timeout = mode["ranks"], mode["timeout_s"]
+    flags = {**mode["flags"], **COMMON, "seed": seed, "checkpoint_every": max(1, iterations // 8)}
+    kill = "" if fault is None else f"{ranks - 1}:{max(1, round(fault * iterations))}"
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as run_dir:
+        if path == "ulfm":
+            wall_s = launch(ranks, run_dir, {**flags, "on_rank_loss": "continue"}, timeout, kill, ft=True)
+        else:
+            wall_s = launch(ranks, run_dir, flags, timeout, kill)
+        if path == "restart":
+            wall_s += launch(ranks - 1, run_dir, {**flags, "resume": True}, timeout)
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    summary, lost = records[-1], [r for r in records if r.get("event") == "rank_lost"]
+    return {
+        "path": path,
+        "fault_at": fault,
+        "seed": seed,
+        "reached": summary["reached"],
+        "tta_s": summary["time_to_accuracy_s"],
+        "wall_s": wall_s,
+        "iterations": summary["iterations"],
+        "recovery_s": lost[0]["recovery_s"] if lost else None,
+    }
+
+
+def measure(options: harness.Options) -> harness.Report:
+    mode = QUICK if options.quick else FULL
+    runs: list[dict] = []
+    for rep in range(options.reps):
+        baseline = one_run("none", None, 0, mode, rep + 1)
+        runs.append(baseline)
+        for fault in mode["faults"]:
+            for path in ("ulfm", "restart"):
+                harness.log(f"seed {rep + 1}: {path}, a rank killed at {fault:.0%}")
+                runs.append(one_run(path, fault, baseline["iterations"], mode, rep + 1))
+    return harness.Report(
+        question=f"Wall-clock seconds to the end of an S-SGD run on {mode['ranks']} ranks with a rank killed "
+        "part-way: going on with the survivors (ulfm) against ending the job and resuming (restart)",
+        columns=["fault_at", "path", "reached", "wall_s", "lost_s", "recovery_s"],
+        rows=rows(runs),
+        runs=runs,
+        settings={**{k: v for k, v in mode.items() if k != "flags"}, **mode["flags"], **COMMON},
+    )
+
+
+def rows(runs: list[dict]) -> list[dict]:
+    """Medians over the seeds of each (fault, path), and the seconds lost against the fault-free run."""
+    none = harness.median([r["wall_s"] for r in runs if r["path"] == "none"])
+    keys = dict.fromkeys((r["fault_at"], r["path"]) for r in runs)
+    table = []
+    for fault, path in keys:
+        mine = [r for r in runs if (r["fault_at"], r["path"]) == (fault, path)]
+        wall = harness.median([r["wall_s"] for r in mine])
+        table.append(
+            {
+                "fault_at": "-" if fault is None else f"{fault:.0%}",
+                "path": path,
+                "reached": sum(r["reached"] for r in mine),
+                "wall_s": wall,
+                "lost_s": None if path == "none" else wall - none,
+                "recovery_s": harness.median([r["recovery_s"] for r in mine if r["recovery_s"] is not None]),
+            }
+        )
+    return table
+
+
+if __name__ == "__main__":
+    harness.main(measure, full_reps=3)

@@ -1,0 +1,119 @@
+"""Surviving a lost rank with ULFM (User-Level Failure Mitigation, the MPI Forum's fault-tolerance proposal that
+Open MPI 5 implements under `mpirun --with-ft ulfm`): tell a rank loss from other MPI errors, revoke the scopes,
+shrink the world to its survivors, and the test-only kill injection."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+import signal
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from crossbow_mpi.runtime import process
+
+EXIT_RANK_LOST = 75
+"""Exit code of a job that lost ranks and cannot go on (fewer than --min-ranks left, or a pipeline): resume it
+with --resume, which reshards to the ranks it is given (75 is also the code of a preempted run)."""
+KILL_VARIABLE = "CROSSBOW_KILL_AT"
+"""Test-only fault injection: `R:I[,R:I…]` makes COMM_WORLD rank R SIGKILL itself before iteration I."""
+
+_rank: int | None = None
+"""This process's rank among the survivors, once the world was shrunk."""
+
+
+class RankLost(Exception):
+    """The job lost ranks and this run cannot continue on the survivors."""
+
+
+def is_rank_loss(err: BaseException) -> bool:
+    """Tell whether an MPI error says that a peer died, or that a survivor revoked the scope after seeing one."""
+    MPI = process.mpi()
+    failures = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+    return isinstance(err, MPI.Exception) and err.Get_error_class() in failures
+
+
+def revoke(comms) -> None:
+    """Revoke every MPI communicator given, so that every survivor blocked in any of them returns an error."""
+    MPI = process.mpi()
+    for comm in comms:
+        with contextlib.suppress(MPI.Exception):  # already revoked
+            comm.Revoke()
+
+
+def shrink(world) -> tuple[object, list[int]]:
+    """Return the communicator of the survivors of `world` (collective over them), and the COMM_WORLD ranks of
+    the ranks that `world` held and the survivors do not."""
+    global _rank
+    MPI = process.mpi()
+    survivors = world.Shrink()
+    _rank = survivors.Get_rank()
+    base = MPI.COMM_WORLD.Get_group()
+    before = MPI.Group.Translate_ranks(world.Get_group(), list(range(world.Get_size())), base)
+    after = MPI.Group.Translate_ranks(survivors.Get_group(), list(range(survivors.Get_size())), base)
+    return survivors, sorted(set(before) - set(after))
+
+
+def shrunk() -> bool:
+    """Tell whether this process's world was shrunk: MPI_Finalize is then skipped, since its collective
+    teardown over COMM_WORLD, which still names the dead ranks, is not what ULFM guarantees."""
+    return _rank is not None
+
+
+def leader(world_rank: int) -> bool:
+    """Tell whether this process speaks for the job: rank 0 of the survivors, or of COMM_WORLD before a loss."""
+    return (world_rank if _rank is None else _rank) == 0
+
+
+def agree_min(comm, value: int) -> int:
+    """Return the smallest `value` of the ranks of `comm` (collective)."""
+    MPI = process.mpi()
+    buf = np.array([value], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
+    return int(buf[0])
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """Return the SHA-256 of a tensor's bytes."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def inject_kill(iteration: int, environ=os.environ) -> None:
+    """SIGKILL this process when `CROSSBOW_KILL_AT` names its COMM_WORLD rank and this iteration."""
+    spec = environ.get(KILL_VARIABLE)
+    if not spec:
+        return
+    rank = process.mpi().COMM_WORLD.Get_rank()
+    for item in spec.split(","):
+        target, at = (int(part) for part in item.split(":"))
+        if (target, at) == (rank, iteration):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Rollback:
+    """Copies of the run's state before its last two steps (when `enabled`). A collective can complete on some
+    survivors and fail on others, so survivors may be one step apart: the newest step that every survivor holds
+    is one of these."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.snapshots: dict[int, dict] = {}
+
+    def before_step(self, iteration: int, state_dict: Callable[[], dict]) -> None:
+        """When enabled, keep a copy of `state_dict()`, the state before this iteration's step, and the one before
+        it; then inject the test's kill, if any (also when not enabled: benchmarks/faults.py kills aborting runs)."""
+        if self.enabled:
+            self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
+            self.snapshots[iteration] = copy.deepcopy(state_dict())
+        inject_kill(iteration)
+
+    def newest(self) -> int:
+        """Return the newest iteration held (-1: none)."""
+        return max(self.snapshots, default=-1)
+
+    def at(self, iteration: int) -> dict:
+        return self.snapshots[iteration]

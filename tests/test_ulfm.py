@@ -1,0 +1,119 @@
+"""Keep training when a rank dies (ULFM, `--on-rank-loss continue`): the survivors drop the step in flight, go on
+from the newest step that all of them hold, record the loss and write a checkpoint; fewer than --min-ranks, or a
+pipeline, exit 75, and --resume reshards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import pytest
+
+from crossbow_mpi import Trainer
+from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.config import Config, ConfigError
+from crossbow_mpi.runtime import ulfm
+
+from helpers import REPO, mpirun_command, run_job
+
+BATCH, LEARNERS = 16, 2
+RUN = [
+    *("--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.05", "--eval-every", "1000"),
+    *("--target-accuracy", "0", "--learners", str(LEARNERS), "--batch-size", str(BATCH)),
+    *("--on-rank-loss", "continue"),
+]
+
+
+def ulfm_job(ranks: int, kill: str, args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    """Run `python -m crossbow_mpi.train ARGS` under `mpirun --with-ft ulfm`, SIGKILLing ranks as `kill` says."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env[ulfm.KILL_VARIABLE] = kill
+    mpirun, *rest = mpirun_command(ranks)
+    cmd = [mpirun, "--with-ft", "ulfm", *rest, sys.executable, "-m", "crossbow_mpi.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_state(run_dir) -> dict:
+    with h5py.File(sorted(run_dir.glob("checkpoint-*.h5"))[-1]) as f:
+        return json.loads(f["train"].attrs["state"])
+
+
+def ours(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "died" in line]
+
+
+def test_continue_applies_to_the_allreduce_algorithms_only():
+    for name in ("eager", "omnivore", "hogbatch", "elastic", "auto"):
+        with pytest.raises(ConfigError, match="--on-rank-loss continue applies to"):
+            Config(algorithm=name, on_rank_loss="continue", learners=1).validate(ALGORITHMS)
+    with pytest.raises(ConfigError, match="--on-rank-loss"):
+        Config(on_rank_loss="retry").validate(ALGORITHMS)
+    Config(algorithm="ssgd", on_rank_loss="continue").validate(ALGORITHMS)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_min_ranks_above_the_jobs_ranks_is_refused(comm, shared_tmp):
+    with pytest.raises(ConfigError, match=f"--min-ranks 99 exceeds the job's {comm.size} ranks"):
+        Trainer(Config(run_dir=str(shared_tmp), min_ranks=99), comm)
+
+
+def test_rollback_holds_the_last_two_steps_and_copies_them():
+    rollback, state = ulfm.Rollback(True), {"x": [0]}
+    for iteration in range(4):
+        state["x"][0] = iteration
+        rollback.before_step(iteration, lambda: state)
+    assert sorted(rollback.snapshots) == [2, 3] and rollback.newest() == 3
+    assert rollback.at(2)["x"] == [2]
+    off = ulfm.Rollback(False)
+    off.before_step(0, lambda: state)
+    assert off.newest() == -1
+
+
+@pytest.mark.slow
+def test_sma_survives_a_killed_rank_and_takes_every_sample(tmp_path):
+    run_dir = tmp_path / "sma"
+    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", "sma", *RUN])
+    assert job.returncode == 0, job.stderr
+    assert ours(job.stderr) == ["rank(s) 1 died; going on with 2 ranks from iteration 4"], job.stderr
+    lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
+    assert len(lost) == 1, lost
+    assert lost[0]["ranks"] == [1] and lost[0]["world_size"] == 2 and lost[0]["iteration"] == 4
+    assert lost[0]["recovery_s"] < 10
+    summary = records(run_dir)[-1]
+    assert summary["event"] == "summary" and summary["world_size"] == 2 and summary["epochs"] >= 0.05
+    # the dropped step is taken again: 4 steps of 3 ranks, then only steps of 2, and no sample twice
+    assert summary["samples"] == 4 * 3 * LEARNERS * BATCH + (summary["iterations"] - 4) * 2 * LEARNERS * BATCH
+
+
+@pytest.mark.slow
+def test_ssgd_loses_rank_0_then_another_below_min_ranks_and_resume_reshards(tmp_path):
+    run_dir = tmp_path / "ssgd"
+    args = ["--run-dir", str(run_dir), "--algorithm", "ssgd", *RUN]
+    job = ulfm_job(3, "0:3,1:6", [*args, "--min-ranks", "2", "--rank-loss-lr", "linear"])
+    assert job.returncode == ulfm.EXIT_RANK_LOST, job.stderr
+    lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
+    assert [(r["ranks"], r["world_size"], r["iteration"]) for r in lost] == [([0], 2, 3), ([1], 1, 6)]
+    assert [r["lr"] for r in lost] == pytest.approx([0.01 * 2 / 3, 0.01 / 3])
+    assert len(ours(job.stderr)) == 2 and "--min-ranks 2" in ours(job.stderr)[-1], job.stderr
+    assert checkpoint_state(run_dir)["iteration"] == 6  # written right after the second recovery
+    resumed = run_job(1, [*args, "--resume"], timeout=150)
+    assert resumed.returncode == 0, resumed.stderr
+    assert records(run_dir)[-1]["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_a_pipeline_that_loses_a_stage_exits_75_without_a_new_checkpoint(tmp_path):
+    run_dir = tmp_path / "pipeline"
+    job = ulfm_job(2, "1:3", ["--run-dir", str(run_dir), "--algorithm", "ssgd", "--pipeline-stages", "2", *RUN])
+    assert job.returncode == ulfm.EXIT_RANK_LOST, job.stderr
+    assert ours(job.stderr) == [
+        "crossbow_mpi: error: rank(s) 1 died and a pipeline cannot lose a stage; resume with --resume on the ranks left"
+    ], job.stderr
+    assert not list(run_dir.glob("checkpoint-*.h5"))
