@@ -463,6 +463,10 @@ class Config:
                 f"--sync-delay {self.sync_delay} must be below --sync-every / --fragments "
                 f"({self.sync_every // self.fragments}): a sync must land before the next one starts"
             )
+        if self.sync_delay and self.on_rank_loss == "continue":
+            raise ConfigError(
+                "--sync-delay and --on-rank-loss continue cannot be combined: a lost rank needs blocking syncs"
+            )
         if self.sync_delay and (self.outer_optimizer == "central" or self.sync_dtype != "fp32"):
             raise ConfigError("--sync-delay needs --outer-optimizer nesterov or sgd and --sync-dtype fp32")
         if self.sync_every_node and self.sync_every_node >= self.sync_every:

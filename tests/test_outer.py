@@ -169,6 +169,10 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"sync_every": 4, "fragments": 3, "outer_optimizer": "sgd"}, "--fragments 3 must divide --sync-every 4"),
         ({"sync_every": 4, "fragments": 2, "outer_optimizer": "sgd", "sync_delay": 2}, "--sync-delay 2 must be below"),
         ({"sync_every": 4, "sync_delay": 1}, "--sync-delay needs --outer-optimizer nesterov or sgd"),
+        (
+            {"sync_every": 4, "sync_delay": 1, "outer_optimizer": "sgd", "on_rank_loss": "continue"},
+            "--sync-delay and --on-rank-loss continue cannot be combined",
+        ),
         ({"sync_every": 4, "sync_every_node": 1, "hierarchy": "flat"}, "--sync-every-node needs --hierarchy node"),
     ],
 )
