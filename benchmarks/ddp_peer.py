@@ -68,6 +68,12 @@ def parse_args() -> argparse.Namespace:
         metavar="true|false",
         help="torch.compile the forward and backward pass, as crossbow_mpi.train --compile (summary: compile_s)",
     )
+    parser.add_argument(
+        "--memory-format",
+        choices=("contiguous", "channels_last"),
+        default="contiguous",
+        help="the model's 4-D weights and the batches channels-last, as crossbow_mpi.train --memory-format",
+    )
     args = parser.parse_args()
     if args.compile:
         try:
@@ -170,6 +176,9 @@ def main() -> None:
 def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, write) -> dict:
     """Train DDP S-SGD to the target or a limit, writing each evaluation's record; return the summary record."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    channels_last = args.memory_format == "channels_last"
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's hints omit it
     model = DistributedDataParallel(net) if not args.local_sgd_every else broadcast(net)  # rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
@@ -188,6 +197,8 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
     for progress.epoch, indices in shards(sampler, args.batch_size, args.epochs, len(train_set)):
         step_started = time.perf_counter()
         inputs, targets = train_set.get_batch(indices)
+        if channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
         optimizer.zero_grad()
         loss = F.cross_entropy(forward(inputs), targets)
         loss.backward()

@@ -520,8 +520,20 @@ def mnist(test_samples: int):
 
 
 def crossbow_samples_per_s(config, model_fn, train_set, test_set) -> float:
+    """Train with crossbow_mpi's Trainer inside this MPI job; return the training samples/s of its last evaluation
+    window (evaluations excluded) on every rank."""
+    *_, last_evaluation, _summary = crossbow_records(config, model_fn, train_set, test_set)
+    return last_evaluation["samples_per_s"]
+
+
+def crossbow_summary(config, model_fn, train_set, test_set) -> dict:
+    """Train with crossbow_mpi's Trainer inside this MPI job; return its summary record on every rank."""
+    return crossbow_records(config, model_fn, train_set, test_set)[-1]
+
+
+def crossbow_records(config, model_fn, train_set, test_set) -> list[dict]:
     """Train with crossbow_mpi's Trainer inside this MPI job, in a fresh run directory shared by the ranks;
-    return the training samples/s of its last evaluation window (evaluations excluded) on every rank."""
+    return its metrics records on every rank."""
     from crossbow_mpi import Trainer
     from crossbow_mpi.comm import MpiCommunicator
     from crossbow_mpi.runtime import process
@@ -529,12 +541,11 @@ def crossbow_samples_per_s(config, model_fn, train_set, test_set) -> float:
     comm = MpiCommunicator(process.mpi().COMM_WORLD)
     run_dir = comm.bcast_json(tempfile.mkdtemp(prefix="bench-run-") if comm.rank == 0 else None)
     Trainer(dataclasses.replace(config, run_dir=run_dir), comm).fit(model_fn, train_set, test_set)
-    rate = None
+    records = None
     if comm.rank == 0:
-        *_, last_evaluation, _summary = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        rate = json.loads(last_evaluation)["samples_per_s"]
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         shutil.rmtree(run_dir)
-    return comm.bcast_json(rate)
+    return comm.bcast_json(records)
 
 
 def _free_port() -> int:

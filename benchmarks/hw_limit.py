@@ -1,10 +1,11 @@
 """Hardware limit: achieved training FLOP/s as a fraction of a large float32 matmul's FLOP/s, same cores, same run,
-and what moves it: compiled learners, ranks pinned to cores, channels-last and oneDNN.
+and what moves it: compiled learners, ranks pinned to cores, channels-last (crossbow_mpi's `--memory-format
+channels_last` and the bare loop's) and oneDNN.
 
 On 2 ranks × 1 thread, crossbow_mpi trains LeNet on MNIST and ResNet-32 on synthetic CIFAR: S-SGD at batch 64
-(as is, with `--compile`, and with each rank pinned to its own core) and SMA with 2 learners at batch 16. A bare
-PyTorch loop (SGD with momentum, batch 64) on each rank at once tries what crossbow_mpi's flat buffers do not
-offer: channels-last tensors, and oneDNN (mkldnn) switched off to see what it gives. Training FLOPs per sample are
+(as is, with `--compile`, with each rank pinned to its own core and channels-last) and SMA with 2 learners at
+batch 16 (as is and channels-last). A bare PyTorch loop (SGD with momentum, batch 64) on each rank at once runs
+as is, channels-last, and with oneDNN (mkldnn) switched off to see what it gives. Training FLOPs per sample are
 counted with torch.utils.flop_counter.FlopCounterMode over one forward and backward pass and multiplied by the
 measured samples/s of all ranks; crossbow_mpi's samples/s are its last evaluation window's, the second half of
 the run, so that a compile in the first step is not counted. The peak is every rank multiplying two n×n float32
@@ -29,6 +30,18 @@ CONFIGS = {
     "ssgd k=1 b=64 compiled": {"algorithm": "ssgd", "learners": 1, "batch_size": 64, "compile": True},
     "ssgd k=1 b=64 pinned": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
     "sma k=2 b=16": {"algorithm": "sma", "learners": 2, "batch_size": 16},
+    "ssgd k=1 b=64 channels-last": {
+        "algorithm": "ssgd",
+        "learners": 1,
+        "batch_size": 64,
+        "memory_format": "channels_last",
+    },
+    "sma k=2 b=16 channels-last": {
+        "algorithm": "sma",
+        "learners": 2,
+        "batch_size": 16,
+        "memory_format": "channels_last",
+    },
 }
 """crossbow_mpi's runs; `pinned` binds each rank to its own core for the run."""
 BARE = ("bare b=64", "bare b=64 channels-last", "bare b=64 no oneDNN")
@@ -63,7 +76,7 @@ QUICK = Budget(
     samples={"lenet": 640},
     bare_steps={"lenet": 4},
     models=("lenet",),
-    configs=("ssgd k=1 b=64", "ssgd k=1 b=64 pinned", "sma k=2 b=16"),
+    configs=("ssgd k=1 b=64", "ssgd k=1 b=64 pinned", "sma k=2 b=16", "ssgd k=1 b=64 channels-last"),
     matmul_n=256,
     matmul_calls=2,
     timeout_s=140,
@@ -222,8 +235,8 @@ def measure(options: harness.Options) -> harness.Report:
             )
     return harness.Report(
         question=f"Training FLOP/s (FlopCounterMode forward+backward × samples/s) over a {budget.matmul_n}² float32 "
-        f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled and pinned, and a "
-        "bare loop with channels-last and without oneDNN",
+        f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled, pinned and "
+        "channels-last, and a bare loop with channels-last and without oneDNN",
         columns=COLUMNS,
         rows=rows,
         runs=runs,

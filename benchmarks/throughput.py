@@ -1,5 +1,6 @@
 """Throughput at equal algorithm: S-SGD, batch 64 per rank, crossbow_mpi against DDP, on the machine's 2 cores laid
-out as 2 ranks × 1 thread and as 1 rank × 2 threads.
+out as 2 ranks × 1 thread and as 1 rank × 2 threads; each also with channels-last weights and batches (DDP too, so
+the race stays fair; vs_ddp compares with DDP in the same memory format).
 
 Both train the same number of samples with one evaluation at the end, run by run interleaved; samples/s counts
 the training steps only (batch fetch, forward, backward, gradient allreduce, update).
@@ -45,8 +46,11 @@ def measure(options: harness.Options) -> harness.Report:
         "eval_every": harness.NEVER,
     }
     systems = {"ddp": {}, "crossbow": {"algorithm": "ssgd", "learners": 1}}
+    systems |= {f"{name} channels-last": {**extra, "memory_format": "channels_last"} for name, extra in systems.items()}
     variants = {
-        (layout, system): harness.seeded(system, ranks, {**flags, **extra, "threads": threads}, budget.timeout_s)
+        (layout, system): harness.seeded(
+            system.split()[0], ranks, {**flags, **extra, "threads": threads}, budget.timeout_s
+        )
         for layout, (ranks, threads) in LAYOUTS.items()
         for system, extra in systems.items()
     }
@@ -54,7 +58,8 @@ def measure(options: harness.Options) -> harness.Report:
     rows = []
     for layout, system in variants:
         rates = harness.column(runs, f"{system} {layout}", "samples_per_s")
-        reference = harness.median(harness.column(runs, f"ddp {layout}", "samples_per_s"))
+        peer = "ddp channels-last" if system.endswith("channels-last") else "ddp"
+        reference = harness.median(harness.column(runs, f"{peer} {layout}", "samples_per_s"))
         rows.append(
             {
                 "layout": layout,

@@ -15,6 +15,7 @@ ENGINES = ("auto", "sequential", "threads", "streams")
 COMMS = ("auto", "mpi", "nccl")
 HIERARCHIES = ("auto", "flat", "node")
 PRECISIONS = ("fp32", "bf16")
+MEMORY_FORMATS = ("contiguous", "channels_last", "auto")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
@@ -273,6 +274,10 @@ class Config:
     """How the sync's sum spans nodes: `node` (sum within each node, then among one leader per node, then copy
     back within the node; over MPI), `flat` (one allreduce over all ranks), `auto` (`node` when the ranks span
     several nodes and MPI is the transport)."""
+    memory_format: str = "contiguous"
+    """Layout of 4-D tensors (convolution weights, image batches) in the flat buffers: `contiguous` (NCHW),
+    `channels_last`, or `auto` (channels-last where one learner's pass measures faster at start; the summary
+    records the choice). Checkpoints and exports hold contiguous tensors, so a run resumes under either."""
     precision: str = "fp32"
     """Learners' compute precision: `fp32`, or `bf16` autocast on the rank's device, CPU or GPU (z, u, corrections
     and optimizer state stay float32)."""
@@ -348,6 +353,7 @@ class Config:
             "precision": PRECISIONS,
             "outer_optimizer": OUTER_OPTIMIZERS,
             "sync_dtype": SYNC_DTYPES,
+            "memory_format": MEMORY_FORMATS,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
             "eager_mode": EAGER_MODES,

@@ -36,6 +36,7 @@ COLUMNS = {
         "matmul_gflops",
         "fraction",
     },
+    "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},

@@ -188,7 +188,7 @@ def test_the_tuners_gpu_memory_cap_is_the_gpus_memory_divided_among_its_ranks(co
     gpus(shared=shared)
     free, total = 6 * 2**30, 16 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
-    tuner = AutoTuner(Policy(0.1, 8), 5, comm, GPU, 0, comm.size, static_bytes_per_learner=2**30)
+    tuner = AutoTuner(Policy(0.1, 8), 5, comm, GPU, 0, comm.size, learner_bytes=lambda: 2**30)
     sharing = comm.size if shared else 1
     memory = tuner.read_memory()
     assert (memory.used, memory.cap) == ((total - free) / sharing, total / sharing)

@@ -54,7 +54,8 @@ class Algorithm:
         self.staged = torch.empty(0)
         """Row j: learner j's part of the sync message, times its weight [its part | its float buffers | its weight]."""
         self.message = torch.empty(0)
-        """The sync message: the sum of the staged rows; its last element sums the weights of the learners it
+        """The sync message: the sum of the staged rows, summed into the first (no buffer of its own: every staged
+        row is written afresh before the next sync reads it); its last element sums the weights of the learners it
         carries."""
         self.weights: tuple[float, ...] = (1.0,) * transport.size
         """Each rank's learner weight in the sync message: 1, or b_r / max_q b_q when weighing by samples."""
@@ -78,15 +79,14 @@ class Algorithm:
 
     def allocate_message(self) -> None:
         """(Re)allocate the staged rows and the message for the current number of learners, before `local_step`
-        (on a GPU: on the stream that every learner's and the sync stream wait for). With one learner the message
-        is its staged row."""
+        (on a GPU: on the stream that every learner's and the sync stream wait for)."""
         learners = self.learners
         staged = learners.staging if self.stages_gradients else self.staged
         if staged.shape != learners.staging.shape:
             staged = learners.staging.new_ones(learners.staging.shape)
         if staged is not self.staged:
             self.staged = staged
-            self.message = staged[0] if learners.k == 1 else staged.new_empty(staged.shape[1])
+            self.message = staged[0]
 
     def local_step(self, rows: slice, lr: float) -> None:
         """Run the learners' own part of the step for the learners in `rows`, staging their sync message rows."""
@@ -130,7 +130,7 @@ class Algorithm:
         return self.staged[rows, :num_params]
 
     def sum_staged(self) -> torch.Tensor:
-        """Sum the staged rows into the message and return it (one learner's row is the message already)."""
+        """Sum the staged rows into the message, the first, and return it."""
         if self.staged.shape[0] > 1:
             sum_rows(self.staged, out=self.message)
         return self.message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,7 +70,7 @@ class AutoTuner:
         device: torch.device,
         max_memory_gib: float,
         local_size: int,
-        static_bytes_per_learner: float,
+        learner_bytes: Callable[[], float],
         warmup: int = WARMUP_STEPS,
     ):
         self.policy = policy
@@ -78,7 +79,8 @@ class AutoTuner:
         self.device = device
         self.max_memory = max_memory_gib * 2**30
         self.local_size = local_size
-        self.static_bytes = static_bytes_per_learner
+        self.learner_bytes = learner_bytes
+        """What one more learner costs, from the bytes of its tensors and its measured activations."""
         self.warmup = warmup
         self.ranks_per_gpu = ranks_per_gpu(gpu_owners(comm, device), comm.rank)
         self.restart()
@@ -148,7 +150,7 @@ class AutoTuner:
             cap = (self.max_memory or RAM_FRACTION * _total_ram_bytes()) / self.local_size
         if self.memory_before_add is not None:
             self.observed_bytes = max(self.observed_bytes, used - self.memory_before_add)
-        return Memory(used=used, cap=cap, per_learner=max(self.static_bytes, self.observed_bytes))
+        return Memory(used=used, cap=cap, per_learner=max(self.learner_bytes(), self.observed_bytes))
 
     def state_dict(self) -> dict:
         return {

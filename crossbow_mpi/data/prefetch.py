@@ -17,12 +17,17 @@ from crossbow_mpi.data.sampler import GlobalSampler, fetch_batch
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> Batch:
-    """Move a batch to the device (floating inputs as `dtype`): from pinned host memory, without blocking, on a
-    GPU."""
+def to_format(inputs: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """Return a batch's inputs in the learners' memory format (4-D inputs only)."""
+    return inputs.contiguous(memory_format=torch.channels_last) if channels_last and inputs.dim() == 4 else inputs
+
+
+def to_device(batch: Batch, device: torch.device, dtype: torch.dtype, channels_last: bool = False) -> Batch:
+    """Move a batch to the device (floating inputs as `dtype`, 4-D ones channels-last with `channels_last`): from
+    pinned host memory, without blocking, on a GPU."""
     inputs, targets = batch
     if inputs.is_floating_point():
-        inputs = inputs.to(dtype=dtype)
+        inputs = to_format(inputs.to(dtype=dtype), channels_last)
     if device.type == "cuda":
         inputs, targets = inputs.pin_memory(), targets.pin_memory()
     return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -31,13 +36,23 @@ def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> Batch:
 class BatchPrefetcher:
     """Give this rank's learners their batches for a global step, prefetched one step ahead on a GPU."""
 
-    def __init__(self, dataset, sampler: GlobalSampler, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, dataset, sampler: GlobalSampler, device: torch.device, dtype: torch.dtype, channels_last: bool = False
+    ):
         self.dataset = dataset
+        self.channels_last = channels_last
         self.sampler = sampler
         self.device = device
         self.dtype = dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ahead: tuple[tuple, list[Batch], torch.cuda.Event] | None = None
+        self.step_bytes = 0
+        """The bytes of the last step's batches fetched."""
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of batches held at once: a step's, and on a GPU the next step's beside it."""
+        return self.step_bytes * (1 if self.stream is None else 2)
 
     def batches(self, epoch: int, offset: int, learners: int, batch_size: int | Sequence[int]) -> list[Batch]:
         """Return the k batches of the step at `offset` of `epoch`, ready for work on the current stream."""
@@ -64,4 +79,8 @@ class BatchPrefetcher:
 
     def _fetch(self, position: tuple) -> list[Batch]:
         indices = self.sampler.indices(*position)
-        return [to_device(fetch_batch(self.dataset, row), self.device, self.dtype) for row in indices]
+        batches = [
+            to_device(fetch_batch(self.dataset, row), self.device, self.dtype, self.channels_last) for row in indices
+        ]
+        self.step_bytes = sum(t.numel() * t.element_size() for batch in batches for t in batch)
+        return batches

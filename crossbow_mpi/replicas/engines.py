@@ -23,6 +23,7 @@ import torch
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.checks import batch_loss
 from crossbow_mpi.data.prefetch import Batch
+from crossbow_mpi.replicas.footprint import ActivationMeter
 from crossbow_mpi.replicas.kernels import require_compiler
 from crossbow_mpi.replicas.learners import Learners
 
@@ -52,6 +53,8 @@ class LearnerEngine:
     """Compute every learner's gradient on its batch; subclasses choose how the learners share the device."""
 
     name = "base"
+    runs_learners_at_once = False
+    """Whether the learners' passes run at the same time (their activations are alive together)."""
     cut: list[int] | None = None
     """Where the model was cut into pipeline stages (a pipeline engine's); None for a whole model."""
 
@@ -63,6 +66,8 @@ class LearnerEngine:
         self.model_loss = torch.compile(self._model_loss) if compile else self._model_loss
         self.warmup_s: float | None = None
         """With `compile`: seconds of the first step, which compiles the learners' passes."""
+        self.activations = ActivationMeter()
+        """The bytes learner 0's first forward pass saves for backward (not measured through compiled code)."""
 
     def learner_threads(self, k: int) -> int:
         return max(1, self.threads // k)
@@ -113,7 +118,11 @@ class LearnerEngine:
     def learner_step(self, learners: Learners, j: int, batch: Batch) -> torch.Tensor:
         """Run learner j's forward and backward pass on its batch; return its loss."""
         use_threads(self.learner_threads(learners.k))
-        loss = self.forward_backward(learners.modules[j], batch)
+        if j == 0 and not self.compiled:
+            with self.activations.watch(learners.modules[j], batch[0]):
+                loss = self.forward_backward(learners.modules[j], batch)
+        else:
+            loss = self.forward_backward(learners.modules[j], batch)
         learners.take_gradients(j)
         return loss
 
@@ -148,6 +157,7 @@ class ThreadEngine(LearnerEngine):
     """Run the k learners at the same time, one thread each (torch releases the GIL inside its kernels)."""
 
     name = "threads"
+    runs_learners_at_once = True
 
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         super().__init__(loss_fn, threads, precision, compile)
@@ -186,6 +196,7 @@ class StreamEngine(LearnerEngine):
     """
 
     name = "streams"
+    runs_learners_at_once = True
 
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         super().__init__(loss_fn, threads, precision, compile)

@@ -9,12 +9,19 @@ allreduce is one vector operation and one message.
 
 A parameter or buffer that several modules hold (tied weights) has one slot, under the first name that
 `named_parameters()` or `named_buffers()` gives it, and binding gives every module that holds it the same view.
+With `channels_last`, each 4-D tensor (a convolution's weight) keeps its elements in channels-last order (N, H, W,
+C) in the vector, and binding makes it a channels-last strided view, as `torch.channels_last` lays it out; every
+operation on whole vectors is elementwise, so only `flatten`, `load` and the views know. `to_logical` and
+`from_logical` convert a vector (or each row of a matrix) between that order and the contiguous (NCHW) one, in
+which checkpoints and exports hold every tensor.
+
 The rest of a model's state, its *extra state*, stays outside the vectors and is kept by name: frozen parameters
 (`requires_grad=False`) and non-float buffers (BatchNorm's `num_batches_tracked`, counters, index tables).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -31,17 +38,28 @@ class Slot:
     name: str
     shape: tuple[int, ...]
     offset: int
+    channels_last: bool = False
+    """Whether the elements lie in channels-last order (N, H, W, C)."""
 
     @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
+
+    def view(self, vector: torch.Tensor) -> torch.Tensor:
+        """Return the slot of a vector, shaped (and strided) as the tensor."""
+        flat = vector[self.offset : self.offset + self.numel]
+        if self.channels_last:
+            n, c, h, w = self.shape
+            return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+        return flat.view(self.shape)
 
 
 class FlatLayout:
     """Where each trainable parameter and float buffer of a model lives in its flat state vector, and which
     tensors are its extra state."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, channels_last: bool = False):
+        self.channels_last = channels_last
         self.param_slots: list[Slot] = []
         self.buffer_slots: list[Slot] = []
         self.frozen: list[str] = []
@@ -52,7 +70,7 @@ class FlatLayout:
         dtypes = set()
         for path, param in model.named_parameters():
             if param.requires_grad:
-                self.param_slots.append(_slot(path, param, offset))
+                self.param_slots.append(_slot(path, param, offset, channels_last))
                 offset += param.numel()
                 dtypes.add(param.dtype)
             else:
@@ -60,7 +78,7 @@ class FlatLayout:
         self.num_params = offset
         for path, buffer in model.named_buffers():
             if buffer.is_floating_point():
-                self.buffer_slots.append(_slot(path, buffer, offset))
+                self.buffer_slots.append(_slot(path, buffer, offset, channels_last))
                 offset += buffer.numel()
             else:
                 self.non_float_buffers.append(path)
@@ -70,6 +88,7 @@ class FlatLayout:
         if len(dtypes) != 1:
             raise ValueError(f"all trainable parameters must share one dtype, found {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
+        self._logical_index: torch.Tensor | None = None
 
     @property
     def signature(self) -> str:
@@ -80,23 +99,54 @@ class FlatLayout:
     def flatten(self, model: nn.Module) -> torch.Tensor:
         """Return a new state vector holding a copy of the model's trainable parameters and float buffers."""
         modules = dict(model.named_modules())
-        return torch.cat(
-            [getattr(modules[s.module], s.name).detach().reshape(-1) for s in self.param_slots + self.buffer_slots]
+        tensors = []
+        for s in self.param_slots + self.buffer_slots:
+            tensor = getattr(modules[s.module], s.name).detach()
+            tensors.append((tensor.permute(0, 2, 3, 1) if s.channels_last else tensor).reshape(-1))
+        return torch.cat(tensors)
+
+    def to_logical(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Return a copy of a state, parameter or gradient vector (or of each row of a matrix of them) with every
+        tensor's elements in contiguous (NCHW) order."""
+        return (
+            vectors.index_select(-1, self._index(vectors)[: vectors.shape[-1]])
+            if self.channels_last
+            else vectors.clone()
         )
 
+    def from_logical(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Return a copy of vectors in contiguous order (as `to_logical` gives them) in this layout's order."""
+        if not self.channels_last:
+            return vectors.clone()
+        physical = torch.empty_like(vectors)
+        physical.index_copy_(-1, self._index(vectors)[: vectors.shape[-1]], vectors)
+        return physical
+
+    def _index(self, like: torch.Tensor) -> torch.Tensor:
+        """Position in this layout of each element of the contiguous order."""
+        if self._logical_index is None or self._logical_index.device != like.device:
+            index = torch.arange(self.num_state, device=like.device)
+            for s in self.param_slots + self.buffer_slots:
+                if s.channels_last:
+                    index[s.offset : s.offset + s.numel] = s.view(index).reshape(-1)
+            self._logical_index = index
+        return self._logical_index
+
     def bind(self, model: nn.Module, state: torch.Tensor, params: torch.Tensor | None = None) -> None:
-        """Make the model's trainable parameters and float buffers views of `state` (the parameters: of `params`,
-        if given, a parameter vector); drop its gradients."""
-        assert state.shape == (self.num_state,)
-        for param, view in zip(
-            self.trainable(model), self.param_views(state if params is None else params), strict=True
-        ):
+        """Make the model's trainable parameters and float buffers views of `state`, a state vector, or, with
+        `params` (a parameter vector, which the parameters then view) given, of its float buffers' part alone;
+        drop its gradients."""
+        if params is None:
+            assert state.shape == (self.num_state,)
+            params, state = state[: self.num_params], state[self.num_params :]
+        assert state.shape == (self.num_state - self.num_params,)
+        for param, view in zip(self.trainable(model), self.param_views(params), strict=True):
             param.data = view  # one Parameter object, however many modules hold it
             param.grad = None
         modules = dict(model.named_modules())
         holders = _buffer_holders(model)
         for s in self.buffer_slots:
-            view = state[s.offset : s.offset + s.numel].view(s.shape)
+            view = dataclasses.replace(s, offset=s.offset - self.num_params).view(state)
             for module, name in holders[id(getattr(modules[s.module], s.name))]:
                 module._buffers[name] = view
 
@@ -107,7 +157,7 @@ class FlatLayout:
         assert state.shape == (self.num_state,)
         modules = dict(model.named_modules())
         for s in self.param_slots + self.buffer_slots:
-            getattr(modules[s.module], s.name).copy_(state[s.offset : s.offset + s.numel].view(s.shape))
+            getattr(modules[s.module], s.name).copy_(s.view(state))
         self.load_extra_state_bytes(model, extra)
         return model
 
@@ -118,7 +168,7 @@ class FlatLayout:
 
     def param_views(self, vector: torch.Tensor) -> list[torch.Tensor]:
         """Return each trainable parameter's slot of a state or gradient vector, shaped as the parameter."""
-        return [vector[s.offset : s.offset + s.numel].view(s.shape) for s in self.param_slots]
+        return [s.view(vector) for s in self.param_slots]
 
     def extra_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Return the model's frozen parameters and non-float buffers by name (the module's own tensors)."""
@@ -190,9 +240,9 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _slot(path: str, tensor: torch.Tensor, offset: int) -> Slot:
+def _slot(path: str, tensor: torch.Tensor, offset: int, channels_last: bool) -> Slot:
     module, _, name = path.rpartition(".")
-    return Slot(module, name, tuple(tensor.shape), offset)
+    return Slot(module, name, tuple(tensor.shape), offset, channels_last and tensor.dim() == 4)
 
 
 def _buffer_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -38,17 +38,22 @@ class CentralModel:
         return self.z[self.layout.num_params :]
 
     def state_dict(self) -> dict:
-        """Return z, u, z's extra state (frozen parameters and non-float buffers, as bytes) and its optimizer's state
-        where it has one."""
-        state = {"z": self.z.detach().clone(), "u": self.u.clone(), "extra": self.layout.extra_state_bytes(self.module)}
-        return state if self.optimizer is None else {**state, "optimizer": _squeeze(self.optimizer.state_dict())}
+        """Return z and u (in contiguous order), z's extra state (frozen parameters and non-float buffers, as
+        bytes) and its optimizer's state where it has one."""
+        logical, extra = self.layout.to_logical, self.layout.extra_state_bytes(self.module)
+        state = {"z": logical(self.z.detach()), "u": logical(self.u), "extra": extra}
+        if self.optimizer is None:
+            return state
+        optimizer = _squeeze(self.optimizer.state_dict())
+        return {**state, "optimizer": _reorder(logical, optimizer, self.layout.num_params)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.z.copy_(state["z"])
-        self.u.copy_(state["u"])
+        self.z.copy_(self.layout.from_logical(state["z"]))
+        self.u.copy_(self.layout.from_logical(state["u"]))
         self.layout.load_extra_state_bytes(self.module, state["extra"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict({name: t.unsqueeze(0) for name, t in state.get("optimizer", {}).items()})
+            optimizer = _reorder(self.layout.from_logical, state.get("optimizer", {}), self.layout.num_params)
+            self.optimizer.load_state_dict({name: t.unsqueeze(0) for name, t in optimizer.items()})
 
     def broadcast_extra_state(self, comm) -> None:
         """Give z rank 0's frozen parameters and non-float buffers (collective, at start; over the control plane,
@@ -79,6 +84,8 @@ class Learners:
     A learner's parameters are views of its row of `weights`, or of z itself while `shares_z` (for algorithms
     after whose every sync each learner equals z: a copy of z would be written every step and read by the next
     forward pass, twice z's bytes through the caches for nothing). Its float buffers are always its own row's.
+    While `shares_z` the learners hold no parameter columns and no momentum (no algorithm that shares z reads a
+    learner's momentum): `weights` holds the float buffers alone and `momentum` has no columns.
     Its gradients are not bound: autograd writes them fresh and `take_gradients` moves them into its row of
     `grads` after its backward passes. Learners stay in training mode (evaluation runs the central model)."""
 
@@ -88,6 +95,7 @@ class Learners:
         self.central = central
         self.modules: list[nn.Module] = []
         self.weights = central.z.new_empty((0, layout.num_state))
+        """Row j: learner j's own columns of the state vector (`own_columns`)."""
         self.staging = central.z.new_empty((0, layout.num_state + 1))
         """Row j: [learner j's gradient | room for its float buffers and its weight], the layout of a sync message
         row, so that an algorithm whose message is the learners' gradients stages them without a copy."""
@@ -95,8 +103,7 @@ class Learners:
         """The first part of `staging`: row j is learner j's gradient."""
         self.momentum = central.z.new_empty((0, layout.num_params))
         self.shares_z = False
-        """Whether every learner's parameters are z's; then the parameter columns of `weights` are unused, and NaN
-        so that a read of them shows."""
+        """Whether every learner's parameters are z's."""
         self.optimizer_fn: OptimizerFn | None = None
         self.optimizers: RowOptimizers | None = None
         """Each learner's optimizer, where the algorithm steps the learners with one (`use_optimizer`)."""
@@ -115,15 +122,20 @@ class Learners:
 
     @property
     def buffers(self) -> torch.Tensor:
-        return self.weights[:, self.layout.num_params :]
+        return self.weights[:, self.layout.num_params - self.own_columns.start :]
+
+    @property
+    def own_columns(self) -> slice:
+        """The columns of the state vector that the learners hold: all, or the float buffers' while `shares_z`."""
+        return slice(self.layout.num_params if self.shares_z else 0, self.layout.num_state)
 
     def resize(self, k: int, z: torch.Tensor) -> None:
         """Keep the first min(k, self.k) learners; new ones start as copies of z with zero momentum."""
         assert k >= 1
         keep = min(k, self.k)
-        weights = z.expand(k, -1).clone()
+        weights = z[self.own_columns].expand(k, -1).clone()
         weights[:keep] = self.weights[:keep]
-        momentum = self.momentum.new_zeros((k, self.layout.num_params))
+        momentum = self.momentum.new_zeros((k, self.momentum.shape[1]))
         momentum[:keep] = self.momentum[:keep]
         self.weights, self.momentum = weights, momentum
         self.staging = self.staging.new_zeros((k, self.layout.num_state + 1))
@@ -148,19 +160,20 @@ class Learners:
         self.optimizers = RowOptimizers(optimizer_fn, self.params)
 
     def share_z(self, shares: bool) -> None:
-        """Bind every learner's parameters to z (True) or to its own row, which starts as z (False)."""
+        """Bind every learner's parameters to z (True: their columns and momenta are freed) or to its own row,
+        which starts as z with zero momentum (False)."""
         if shares != self.shares_z:
+            buffers = self.buffers
             self.shares_z = shares
-            if not shares:
-                self.weights[:, : self.layout.num_params] = self.central.params
+            columns = 0 if shares else self.layout.num_params
+            self.weights = torch.cat([self.central.params[:columns].expand(self.k, -1), buffers], dim=1)
+            self.momentum = self.momentum.new_zeros((self.k, columns))
             self._bind()
 
     def _bind(self) -> None:
         z = self.central.params if self.shares_z else None
         for j, module in enumerate(self.modules):
             self.layout.bind(module, self.weights[j], params=z)
-        if self.shares_z:
-            self.weights[:, : self.layout.num_params] = float("nan")
         self.trainable = [self.layout.trainable(m) for m in self.modules]
 
     def take_gradients(self, j: int) -> None:
@@ -168,10 +181,15 @@ class Learners:
         take_gradients(self.trainable[j], self.grad_views[j])
 
     def state_dict(self) -> dict:
-        weights = self.weights.clone()
-        weights[:, : self.layout.num_params] = self.params
-        state = {"weights": weights, "momentum": self.momentum.clone()}
-        return state if self.optimizers is None else {**state, "optimizer": self.optimizers.state_dict()}
+        """Return every learner's full state vector and momentum (zero while `shares_z`), in contiguous order, and
+        its optimizer's state where it has one."""
+        weights = torch.cat([self.params, self.buffers], dim=1)
+        momentum = self.momentum.new_zeros((self.k, self.layout.num_params)) if self.shares_z else self.momentum
+        state = {"weights": self.layout.to_logical(weights), "momentum": self.layout.to_logical(momentum)}
+        if self.optimizers is None:
+            return state
+        optimizer = self.optimizers.state_dict()
+        return {**state, "optimizer": _reorder(self.layout.to_logical, optimizer, self.layout.num_params)}
 
     def load_state_dict(self, state: dict | None, z: torch.Tensor) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
@@ -182,12 +200,15 @@ class Learners:
         self.reset_to(z)
         self.momentum.zero_()
         if self.optimizers is not None:
-            self.optimizers.load_state_dict(None if state is None else state.get("optimizer"))
+            optimizer = None if state is None else state.get("optimizer")
+            num_params = self.layout.num_params
+            self.optimizers.load_state_dict(optimizer and _reorder(self.layout.from_logical, optimizer, num_params))
         if state is None:
             return
         fit = min(self.k, len(state["weights"]))
-        self.weights[:fit, self.own_columns] = state["weights"][:fit, self.own_columns]
-        self.momentum[:fit] = state["momentum"][:fit]
+        self.weights[:fit] = self.layout.from_logical(state["weights"][:fit])[:, self.own_columns]
+        if not self.shares_z:
+            self.momentum[:fit] = self.layout.from_logical(state["momentum"][:fit])
 
     def take_extra_state(self) -> None:
         """Give every learner z's frozen parameters and non-float buffers."""
@@ -197,13 +218,7 @@ class Learners:
 
     def reset_to(self, z: torch.Tensor) -> None:
         """Set every learner's weights to z (its float buffers alone while `shares_z`: its parameters are z's)."""
-        own = self.weights[:, self.own_columns]
-        own.copy_(z[self.own_columns].expand_as(own))
-
-    @property
-    def own_columns(self) -> slice:
-        """The columns of `weights` that the learners hold: all, or the float buffers' while `shares_z`."""
-        return slice(self.layout.num_params if self.shares_z else 0, None)
+        self.weights.copy_(z[self.own_columns].expand_as(self.weights))
 
     def share_extra_state(self) -> None:
         """Give every learner and z learner 0's non-float buffers (at every sync; local, no communication)."""
@@ -211,6 +226,11 @@ class Learners:
         targets = _buffers([ref for refs in others for ref in refs])
         if targets:  # one multi-tensor copy: BatchNorm gives every model such buffers, so keep it cheap
             torch._foreach_copy_(targets, _buffers(first) * len(others))
+
+
+def _reorder(convert: Callable, state: dict[str, torch.Tensor], num_params: int) -> dict[str, torch.Tensor]:
+    """Convert each parameter-shaped tensor of an optimizer's state between the layout's and contiguous order."""
+    return {name: convert(t) if t.shape[-1:] == (num_params,) else t for name, t in state.items()}
 
 
 def _squeeze(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -198,8 +198,6 @@ class Tuning:
         self.tuner = None
         if config.learners == "auto":
             max_learners = min(config.max_learners, run.num_samples // run.sampler.step_size(1, run.hp.batch_size))
-            layout = run.layout
-            bytes_per_learner = (layout.num_state + 2 * layout.num_params) * run.central.z.element_size()
             self.tuner = AutoTuner(
                 Policy(config.autotune_threshold, max_learners),
                 config.autotune_interval,
@@ -207,7 +205,7 @@ class Tuning:
                 device,
                 config.max_memory,
                 local_size,
-                bytes_per_learner,
+                run.learner_bytes,
             )
 
     def after_step(self, run: Run, step: Step, elapsed_s: float) -> None:

@@ -21,6 +21,7 @@ from crossbow_mpi.data.prefetch import BatchPrefetcher
 from crossbow_mpi.data.sampler import GlobalSampler
 from crossbow_mpi.replicas.engines import LearnerEngine
 from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.footprint import bytes_per_learner, footprint
 from crossbow_mpi.replicas.kernels import fuse
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.optimizers import OptimizerFn
@@ -53,7 +54,9 @@ AUTO_FIRST = "ssgd"
 """The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
 
-def build_model(model_fn: Callable[[], nn.Module], device: torch.device, topology: Topology):
+def build_model(
+    model_fn: Callable[[], nn.Module], device: torch.device, topology: Topology, channels_last: bool = False
+):
     """Return this rank's model on `device` and its flat layout (collective). ConfigError on every rank when any
     rank's model_fn gave no trainable torch module, or when the ranks that average one model built different
     architectures (their parameters would be averaged position by position into nonsense)."""
@@ -63,7 +66,7 @@ def build_model(model_fn: Callable[[], nn.Module], device: torch.device, topolog
         if not isinstance(module, nn.Module):
             raise ConfigError(f"model_fn returned {type(module).__name__}, not a torch.nn.Module")
         module = module.to(device)
-        layout = FlatLayout(module)
+        layout = FlatLayout(module, channels_last)
     except ValueError as err:  # ConfigError, or FlatLayout's "no trainable parameters"
         problem = f"rank {topology.world.rank}: {err}"
     problems = [p for p in topology.world.allgather_json(problem) if p]
@@ -95,6 +98,7 @@ class Run:
         learners: int,
         imbalance: Imbalance | None = None,
         optimizer_fn: OptimizerFn | None = None,
+        channels_last: bool = False,
     ):
         self.topology = topology
         self.optimizer_fn = optimizer_fn
@@ -102,7 +106,7 @@ class Run:
         self.engine = engine
         self.imbalance = imbalance
         torch.manual_seed(config.seed)
-        module, self.layout = build_model(model_fn, device, topology)
+        module, self.layout = build_model(model_fn, device, topology, channels_last)
         self.central = CentralModel(module, self.layout)
         topology.data.broadcast_(self.central.z)
         self.central.broadcast_extra_state(topology.data)
@@ -114,9 +118,9 @@ class Run:
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
-        self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
+        self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype, channels_last)
         group_sampler = GlobalSampler(self.num_samples, config.seed, 0, 1)
-        self.group_prefetcher = BatchPrefetcher(train_set, group_sampler, device, self.layout.dtype)
+        self.group_prefetcher = BatchPrefetcher(train_set, group_sampler, device, self.layout.dtype, channels_last)
         """Batches of this rank's slices of its group's steps (asynchronous algorithms' rounds)."""
         self.round_samples = config.round_samples
         """Samples per round of an asynchronous algorithm (0: `ROUND_STEPS` global steps')."""
@@ -237,6 +241,16 @@ class Run:
         """Change the number of learners on this rank (new ones start from z with zero momentum)."""
         self.engine.synchronize()
         self.learners.resize(k, self.central.z)
+
+    def memory_bytes(self) -> dict:
+        """Return this rank's bytes by part (crossbow_mpi.replicas.footprint)."""
+        concurrent = self.learners.k if self.engine.runs_learners_at_once else 1
+        held = max(p.held_bytes for p in (self.prefetcher, self.group_prefetcher))
+        return footprint(self.central, self.learners, self.algorithm, self.engine.activations.bytes, concurrent, held)
+
+    def learner_bytes(self) -> int:
+        """Return what one more learner costs this rank, measured (its activations once a step has run)."""
+        return bytes_per_learner(self.learners, self.engine.activations.bytes)
 
     def state_dict(self) -> dict:
         """Return a snapshot of this rank's whole training state (settle and drain first)."""

@@ -32,6 +32,7 @@ from crossbow_mpi.parallel.partition import time_cut
 from crossbow_mpi.parallel.pipeline import build_pipeline, load_stages
 from crossbow_mpi.replicas.engines import build_engine, check_engine
 from crossbow_mpi.replicas.flat import FlatLayout
+from crossbow_mpi.replicas.formats import choose_channels_last
 from crossbow_mpi.replicas.optimizers import OptimizerFn, check_optimizer_fn, config_optimizer_fn
 from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import parse_imbalance
@@ -153,6 +154,17 @@ class Trainer:
         """The control scope: every rank of the job."""
         return self.topology.world
 
+    def _channels_last(self, model_fn, train_set, loss_fn) -> bool | None:
+        """Resolve `memory_format` on rank 0 (`auto` times a pass of the whole model there); None on other ranks."""
+        cfg = self.config
+        if cfg.memory_format != "auto":
+            return cfg.memory_format == "channels_last"  # without touching the data (a sampler's dataset records)
+        if self.topology.world.rank != 0:
+            return None
+        sizes = cfg.batch_size if isinstance(cfg.batch_size, tuple) else (cfg.batch_size,)
+        batch = train_set.get_batch(torch.arange(min(sizes[0], len(train_set))))
+        return choose_channels_last(cfg.memory_format, model_fn, batch, loss_fn, self.device)
+
     def start(
         self,
         model_fn: Callable[[], nn.Module],
@@ -172,6 +184,7 @@ class Trainer:
         learners = cfg.learners if isinstance(cfg.learners, int) else 1
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         _check_same_datasets(world, train_set, test_set)
+        channels_last = world.bcast_json(agree(world, lambda: self._channels_last(model_fn, train_set, loss_fn)))
         if cfg.pipeline_stages > 1:
             stage, device = self.topology.stage, self.device
             cut = agree(world, lambda: _pipeline_cut(cfg, model_fn, train_set, device) if world.rank == 0 else None)
@@ -182,7 +195,18 @@ class Trainer:
         else:
             engine = build_engine(cfg.engine, loss_fn, self.threads, self.device, cfg.precision, cfg.compile)
         optimizer_fn = optimizer_fn or config_optimizer_fn(cfg)
-        run = Run(cfg, self.topology, engine, self.device, model_fn, train_set, learners, self.imbalance, optimizer_fn)
+        run = Run(
+            cfg,
+            self.topology,
+            engine,
+            self.device,
+            model_fn,
+            train_set,
+            learners,
+            self.imbalance,
+            optimizer_fn,
+            channels_last,
+        )
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
                 check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
@@ -377,6 +401,8 @@ class Trainer:
             "algorithm": run.algorithm.name,
             "threads_per_rank": self.threads,
             "device": str(self.device),
+            "memory_format": "channels_last" if run.layout.channels_last else "contiguous",
+            "memory_bytes": self.topology.world.allgather_json(run.memory_bytes()),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
             **({"comm_bytes": record["comm_bytes"]} if "comm_bytes" in record else {}),
             **(
@@ -415,7 +441,7 @@ def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -
         test_accuracy=accuracy,
         iterations=run.state.iteration,
         epochs=run.epoch_progress,
-        central=run.central.z.detach().cpu().clone(),
+        central=run.central.layout.to_logical(run.central.z.detach()).cpu(),
         learners=run.learners.k,
         preempted=preempted,
         _model_fn=run.learners.model_fn,

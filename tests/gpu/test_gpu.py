@@ -164,7 +164,7 @@ def test_tuner_reads_this_ranks_share_of_the_gpus_memory_and_what_it_allocates(c
     device = torch.device("cuda", comm.rank % torch.cuda.device_count())
     sharing = ranks_per_gpu(gpu_owners(comm, device), comm.rank)
     total = torch.cuda.get_device_properties(device).total_memory
-    tuner = AutoTuner(Policy(0.1, 8), 5, comm, device, max_memory_gib=0, local_size=1, static_bytes_per_learner=1e6)
+    tuner = AutoTuner(Policy(0.1, 8), 5, comm, device, max_memory_gib=0, local_size=1, learner_bytes=lambda: 1e6)
     torch.cuda.empty_cache()
     comm.barrier()
     before = tuner.read_memory()
@@ -175,7 +175,7 @@ def test_tuner_reads_this_ranks_share_of_the_gpus_memory_and_what_it_allocates(c
     after = tuner.read_memory()
     assert abs(before.cap * sharing - total) <= 0.01 * total
     assert abs(after.used - before.used - block.numel()) < 64 * 2**20
-    huge = AutoTuner(Policy(0.1, 8), 5, comm, device, 0, 1, static_bytes_per_learner=float(total))
+    huge = AutoTuner(Policy(0.1, 8), 5, comm, device, 0, 1, learner_bytes=lambda: float(total))
     assert not huge.read_memory().room_for_one_more
 
 
