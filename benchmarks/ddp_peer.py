@@ -28,8 +28,9 @@ from torch.utils.data import DistributedSampler
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data import build_dataset
-from crossbow_mpi.models import build_model
+from crossbow_mpi.models import LANGUAGE_MODELS, build_model, token_cross_entropy
 from crossbow_mpi.replicas.kernels import require_compiler
+from crossbow_mpi.training.hooks import hits
 
 EVAL_BATCH = 1000
 
@@ -40,12 +41,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="lenet")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--data-dir", default="datasets/mnist")
+    parser.add_argument("--model-args", default="", help="the model's size, as crossbow_mpi.train --model-args")
+    parser.add_argument("--seq-len", type=int, default=64, help="--dataset text: bytes per window")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="as crossbow_mpi.train's")
+    parser.add_argument("--beta1", type=float, default=0.9)
+    parser.add_argument("--beta2", type=float, default=0.999)
+    parser.add_argument("--eps", type=float, default=1e-8)
     parser.add_argument("--weight-decay", type=float, default=0.0005)
     parser.add_argument("--epochs", type=float, default=10.0, help="upper bound on training epochs")
     parser.add_argument("--target-accuracy", type=float, default=0.99, help="stop once reached (0: never)")
+    parser.add_argument("--target-loss", type=float, default=None, help="stop once the test loss is at most this")
     parser.add_argument(
         "--eval-every", type=int, default=15000, help="training samples (all ranks) between evaluations"
     )
@@ -92,20 +100,21 @@ def init_process_group() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, test_set, rank: int, world: int) -> tuple[float, float]:
-    """Return (accuracy, mean loss) on the whole test set, each rank evaluating a contiguous part."""
+def evaluate(model: torch.nn.Module, test_set, loss_fn, rank: int, world: int) -> tuple[float, float]:
+    """Return (accuracy, mean loss) on the whole test set, each rank evaluating a contiguous part: accuracy per
+    sample, or per token for a language model, as crossbow_mpi evaluates."""
     model.eval()
     n = len(test_set)
     start, stop = n * rank // world, n * (rank + 1) // world
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(3, dtype=torch.float64)
     for first in range(start, stop, EVAL_BATCH):
         inputs, targets = test_set.get_batch(torch.arange(first, min(first + EVAL_BATCH, stop)))
         outputs = model(inputs)
-        totals[0] += float((outputs.argmax(1) == targets).sum())
-        totals[1] += float(F.cross_entropy(outputs, targets)) * len(targets)
+        right = hits(outputs, targets)
+        totals += torch.tensor([float(right.sum()), right.numel(), float(loss_fn(outputs, targets)) * len(targets)])
     dist.all_reduce(totals)
     model.train()
-    return totals[0].item() / n, totals[1].item() / n
+    return totals[0].item() / totals[1].item(), totals[2].item() / n
 
 
 def past(started: float, limit: float) -> bool:
@@ -156,9 +165,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     rank, _ = init_process_group()
-    train_set, test_set = build_dataset(args.dataset, args.data_dir, args.seed)
+    train_set, test_set = build_dataset(args.dataset, args.data_dir, args.seed, args.seq_len)
     torch.manual_seed(args.seed)
-    net = build_model(args.model, train_set.input_shape, train_set.num_classes)
+    net = build_model(args.model, train_set.input_shape, train_set.num_classes, args.model_args)
     metrics = Path(args.run_dir) / "metrics.jsonl"
     if rank == 0:
         metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -182,14 +191,23 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
     model = DistributedDataParallel(net) if not args.local_sgd_every else broadcast(net)  # rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.optimizer == "adamw":
+        betas = (args.beta1, args.beta2)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        )
     if args.local_sgd_every:
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=args.local_sgd_every))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    next_eval, record, time_to_accuracy, time_limited = args.eval_every, None, None, False
+    next_eval, record, time_to_target, time_limited = args.eval_every, None, None, False
+    loss_fn = token_cross_entropy if args.model in LANGUAGE_MODELS else F.cross_entropy
 
     def evaluate_and_write() -> dict:
-        result = evaluation_record(net, test_set, progress, args.lr)
+        result = evaluation_record(net, test_set, loss_fn, progress, args.lr)
         write(result)
         return result
 
@@ -200,7 +218,7 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         if channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         optimizer.zero_grad()
-        loss = F.cross_entropy(forward(inputs), targets)
+        loss = loss_fn(forward(inputs), targets)
         loss.backward()
         optimizer.step()
         if args.compile and compile_s is None:
@@ -210,8 +228,9 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
             next_eval += args.eval_every
             record = evaluate_and_write()
             progress.new_window()
-            if record["test_accuracy"] >= args.target_accuracy > 0:
-                time_to_accuracy = record["time_s"]
+            by_loss = args.target_loss is not None and record["test_loss"] <= args.target_loss
+            if record["test_accuracy"] >= args.target_accuracy > 0 or by_loss:
+                time_to_target = record["time_s"]
                 break
             if not math.isfinite(record["train_loss"]):
                 break  # diverged: it will not reach the target
@@ -222,11 +241,13 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         record = evaluate_and_write()
     return {
         "event": "summary",
-        "reached": time_to_accuracy is not None,
-        "time_to_accuracy_s": time_to_accuracy,
+        "reached": time_to_target is not None,
+        "time_to_target_s": time_to_target,
         "time_limited": time_limited,
         "target_accuracy": args.target_accuracy,
+        "target_loss": args.target_loss,
         "final_test_accuracy": record["test_accuracy"],
+        "final_test_loss": record["test_loss"],
         "time_s": time.perf_counter() - progress.started,
         "iterations": progress.iterations,
         "epochs": progress.epoch,
@@ -256,9 +277,9 @@ def comm_bytes(net: torch.nn.Module, world: int, steps: int, every: int) -> int:
     return syncs * 2 * (world - 1) * payload // world
 
 
-def evaluation_record(net: torch.nn.Module, test_set, progress: Progress, lr: float) -> dict:
+def evaluation_record(net: torch.nn.Module, test_set, loss_fn, progress: Progress, lr: float) -> dict:
     """Evaluate on the whole test set; return the record of the evaluation and of the window before it."""
-    accuracy, test_loss = evaluate(net, test_set, dist.get_rank(), dist.get_world_size())
+    accuracy, test_loss = evaluate(net, test_set, loss_fn, dist.get_rank(), dist.get_world_size())
     train_loss = torch.tensor([sum(progress.losses), len(progress.losses)], dtype=torch.float64)
     dist.all_reduce(train_loss)
     return {

@@ -75,7 +75,7 @@ def one_run(path: str, fault: float | None, iterations: int, mode: dict, seed: i
         "fault_at": fault,
         "seed": seed,
         "reached": summary["reached"],
-        "tta_s": summary["time_to_accuracy_s"],
+        "tta_s": summary["time_to_target_s"],
         "wall_s": wall_s,
         "iterations": summary["iterations"],
         "recovery_s": lost[0]["recovery_s"] if lost else None,

@@ -320,10 +320,11 @@ def train(
     asynchronous = [record["async_updates"] for record in evaluations if "async_updates" in record]
     return {
         "reached": summary["reached"],
-        "tta_s": summary["time_to_accuracy_s"],
+        "tta_s": summary["time_to_target_s"],
         "epochs": summary["epochs"] if summary["reached"] else None,
         "epochs_run": summary["epochs"],
         "final_accuracy": summary["final_test_accuracy"],
+        "final_loss": summary.get("final_test_loss"),
         "time_limited": summary.get("time_limited", False),
         **({"compile_s": summary["compile_s"]} if "compile_s" in summary else {}),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in evaluations),

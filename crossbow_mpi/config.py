@@ -51,6 +51,7 @@ POSITIVE = (
     "batch_step",
     "sync_every",
     "fragments",
+    "seq_len",
     "min_ranks",
 )
 """Fields that must be positive (every per-rank value)."""
@@ -107,9 +108,16 @@ class Config:
     groups before training, and again every `optimizer_epoch` (crossbow_mpi.control.omnivore_search). `auto` needs
     a fixed number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
     model: str = "lenet"
-    """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`)."""
+    """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`; `tinygpt`: a
+    small GPT for `--dataset text`)."""
+    model_args: str = ""
+    """The model's size as `key=value` pairs (`layers=4,heads=4,width=128,dropout=0.1` for `tinygpt`); empty: its
+    defaults."""
     dataset: str = "mnist"
-    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`)."""
+    """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`, `text`: byte
+    windows of a corpus made by `python -m crossbow_mpi.data.prepare text DIR`)."""
+    seq_len: int = 64
+    """`--dataset text`: bytes per window (a sample is a window and its next-byte labels)."""
     data_dir: str = "datasets/mnist"
     """Directory with the dataset files (ignored by synthetic datasets)."""
     learners: int | str = 2
@@ -245,6 +253,9 @@ class Config:
     """Upper bound on training epochs."""
     target_accuracy: float = 0.99
     """Stop at the first evaluation of z that reaches this test accuracy (0 or less: never stop early)."""
+    target_loss: float | None = None
+    """Stop at the first evaluation of z whose test loss is at or below this (unset: no loss target); with
+    `target_accuracy` too, whichever is reached first."""
     eval_every: int = 15000
     """Evaluate z every this many training samples (all ranks together); 0: once per epoch."""
     time_limit: float = 0.0
@@ -334,9 +345,11 @@ class Config:
             value = getattr(self, f.name)
             if not _has_type(value, str(f.type)):
                 raise ConfigError(f"--{_flag(f.name)}: invalid value {value!r} (expected {f.type})")
-            if f.type == "float" and not math.isfinite(value):
+            if f.type not in ("float", "float | None") or value is None:
+                continue
+            if not math.isfinite(value):
                 raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
-            if f.type == "float" and abs(value) > FLOAT32_MAX:
+            if abs(value) > FLOAT32_MAX:
                 raise ConfigError(
                     f"--{_flag(f.name)} must be at most {FLOAT32_MAX:.4g} (float32's largest), got {value}"
                 )
@@ -427,6 +440,8 @@ class Config:
             raise ConfigError(
                 f"--target-accuracy must be a fraction in [0, 1] (0.99 for 99 %), got {self.target_accuracy}"
             )
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise ConfigError(f"--target-loss must be positive, got {self.target_loss}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:
@@ -578,6 +593,8 @@ def _has_type(value, kind: str) -> bool:
         return all(_has_type(v, "int") for v in values(value)) and values(value) != ()
     if kind == "float":
         return _is_number(value)
+    if kind == "float | None":
+        return value is None or _has_type(value, "float")
     if kind == "str":
         return isinstance(value, str)
     assert kind.startswith("tuple[float"), f"unhandled field type {kind}"
@@ -602,7 +619,9 @@ def coerce(f: dataclasses.Field, value):
             return value
         if kind in ("int", "int | str"):
             return coerce_int(value)
-        if kind == "float":
+        if kind == "float | None" and value in (None, "", "none"):
+            return None
+        if kind in ("float", "float | None"):
             if isinstance(value, bool):
                 raise ValueError(value)
             return float(value)

@@ -4,6 +4,8 @@ trained model z (parameters and float buffers; a pipeline run's stages joined in
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
+A tied weight is written once, under its first name; the header's `tied` metadata maps each name left out to the
+name it is tied to, and `load_state_dict(..., strict=False)` loads such a model (the tie restores the rest).
 With `--optimizer-out FILE` (a run with another optimizer than sgd) it also writes the optimizer state of what the
 algorithm stepped, per parameter as `<parameter>.<state>` (AdamW: `.exp_avg`, `.exp_avg_sq`) and each count by its
 name (`step`): z's for S-SGD and eager, the mean over every learner of every rank for SMA and elastic.
@@ -60,7 +62,7 @@ def load_model(run_dir: str, checkpoint_file: str | None = None) -> tuple[nn.Mod
     if problem:
         raise ConfigError(f"{path}: {problem}")
     shards, signature = checkpoint.read_central(path)
-    module = build_model(config.model, *dataset_shape(config.dataset))
+    module = build_model(config.model, *dataset_shape(config.dataset, config.seq_len), config.model_args)
     cut = checkpoint.read_cut(path)
     stages = stage_modules(module, len(shards), cut)
     layouts = [FlatLayout(stage) for stage in stages]
@@ -116,8 +118,17 @@ def export(
         checkpoint.refuse_overwrite(optimizer_out, "--optimizer-out")
     module, config, path = load_model(run_dir, checkpoint_file)
     optimizer = optimizer_state(path, FlatLayout(module)) if optimizer_out else {}
-    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
+    tensors, tied = {}, {}
+    first_name: dict[int, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        kept = first_name.setdefault(id(tensor), name)
+        if kept == name:
+            tensors[name] = tensor.detach().contiguous()
+        else:
+            tied[name] = kept  # a tied weight (tinygpt's output layer) is written once, under its first name
     metadata = {"model": config.model, "dataset": config.dataset, "checkpoint": path.name}
+    if tied:
+        metadata["tied"] = json.dumps(tied)
     written = [(out, "--out", tensors)] + ([(optimizer_out, "--optimizer-out", optimizer)] if optimizer_out else [])
     for file, flag, contents in written:
         try:

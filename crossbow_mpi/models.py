@@ -1,5 +1,5 @@
-"""Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32; and a small attention model
-for synthetic-sequences."""
+"""Models used in the CROSSBOW experiments: LeNet, an MLP and the CIFAR ResNet-32; a small attention model for
+synthetic-sequences; and a small GPT for language modelling."""
 
 import itertools
 import math
@@ -120,6 +120,68 @@ class CifarResNet(nn.Module):
         return [self.conv, self.bn, nn.ReLU(), *self.blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), self.fc]
 
 
+class _Block(nn.Module):
+    """A pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        x = x + self.resid_dropout(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-style decoder (Karpathy's nanoGPT, after GPT-2): token and position embeddings, `layers` pre-LayerNorm
+    blocks of causal self-attention and an MLP, a final LayerNorm, and an output layer tied to the token embedding.
+    Input: [B, T] token indices; output: [B, T, vocab] next-token scores."""
+
+    def __init__(
+        self, vocab: int, seq_len: int, layers: int = 2, heads: int = 4, width: int = 128, dropout: float = 0.0
+    ):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"tinygpt: the embedding width {width} is not divisible by the {heads} heads")
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq_len, width)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(_Block(width, heads, dropout) for _ in range(layers)))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        for name, parameter in self.named_parameters():
+            if parameter.dim() == 2:  # nanoGPT's initialisation: N(0, 0.02), residual projections scaled by depth
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(parameter, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(parameter)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.dropout(self.tokens(tokens) + self.positions(positions))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [B, T, V] scores against [B, T] labels."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
 class Attention(nn.Module):
     """A one-block attention classifier of token sequences (synthetic-sequences): token and position embeddings,
     self-attention and a feed-forward layer, each residual with LayerNorm, then the mean over positions. Its cost
@@ -169,20 +231,53 @@ def _build_attention(input_shape: tuple[int, ...], num_classes: int) -> nn.Modul
     return Attention(SEQUENCE_VOCAB, input_shape[0], num_classes)
 
 
-MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
+def _build_tinygpt(input_shape: tuple[int, ...], num_classes: int, **sizes) -> nn.Module:
+    if len(input_shape) != 1:
+        raise ValueError(f"model 'tinygpt' needs [T] token windows (--dataset text), got input shape {input_shape}")
+    return TinyGPT(num_classes, input_shape[0], **sizes)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
     "attention": _build_attention,
     "lenet": _build_lenet,
     "mlp": _build_mlp,
     "resnet32": _build_resnet32,
+    "tinygpt": _build_tinygpt,
 }
+MODEL_ARGS: dict[str, dict[str, type]] = {
+    "tinygpt": {"layers": int, "heads": int, "width": int, "dropout": float},
+}
+"""The `--model-args` each model takes, with their types."""
+LANGUAGE_MODELS = ("tinygpt",)
+"""Models trained with `token_cross_entropy`."""
 
 
 def model_names() -> list[str]:
     return sorted(MODELS)
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Build model `name` for inputs of `input_shape` (without the batch dimension)."""
+def parse_model_args(name: str, text: str) -> dict[str, int | float]:
+    """Parse `--model-args` (`key=value,...`) for model `name`; ValueError naming the first bad pair."""
+    known = MODEL_ARGS.get(name, {})
+    sizes: dict[str, int | float] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = pair.partition("=")
+        if key not in known:
+            takes = ", ".join(known) or "none"
+            raise ValueError(f"--model-args: model {name!r} has no argument {key!r} (it takes {takes})")
+        kind = known[key]
+        try:
+            sizes[key] = kind(value)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise ValueError(f"--model-args: {key}={value!r} is not {expected}") from None
+        if not (sizes[key] > 0 if kind is int else 0 <= sizes[key] < 1):
+            raise ValueError(f"--model-args: {key} must be {'positive' if kind is int else 'in [0, 1)'}, got {value}")
+    return sizes
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, args: str = "") -> nn.Module:
+    """Build model `name` for inputs of `input_shape` (without the batch dimension), sized by `--model-args`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(model_names())}")
-    return MODELS[name](tuple(input_shape), num_classes)
+    return MODELS[name](tuple(input_shape), num_classes, **parse_model_args(name, args))

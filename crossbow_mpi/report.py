@@ -34,9 +34,18 @@ class RunRecords:
         return [r for r in self.events if r["event"] == event]
 
     def time_to_target(self) -> float | None:
-        """Seconds to the first evaluation at or above the config's target accuracy (as the trainer counts)."""
-        target = self.config.get("target_accuracy", 0)
-        return next((r["time_s"] for r in self.evaluations if r["test_accuracy"] >= target > 0), None)
+        """Seconds to the first evaluation that reached the config's target accuracy or loss (as the trainer
+        counts)."""
+        target, target_loss = self.config.get("target_accuracy", 0), self.config.get("target_loss")
+        return next(
+            (
+                r["time_s"]
+                for r in self.evaluations
+                if (r["test_accuracy"] is not None and r["test_accuracy"] >= target > 0)
+                or (target_loss is not None and r["test_loss"] <= target_loss)
+            ),
+            None,
+        )
 
 
 def read_run(run_dir: str) -> RunRecords:
@@ -86,19 +95,24 @@ def _label(name: str, config: dict, events: list[dict]) -> str:
 def summary_line(run: RunRecords) -> str:
     """One line: final accuracy, when and after how much training, and the time to the target."""
     last = run.evaluations[-1]
-    target = run.config.get("target_accuracy", 0)
+    target, target_loss = run.config.get("target_accuracy", 0), run.config.get("target_loss")
+    targets = " or ".join(
+        ([f"{target:.2%}"] if target > 0 else []) + ([f"test loss {target_loss:g}"] if target_loss is not None else [])
+    )
     reached = run.time_to_target()
-    if target <= 0:
+    if not targets:
         outcome = "no target"
     elif reached is None:
-        outcome = f"target {target:.2%} not reached"
+        outcome = f"target {targets} not reached"
     else:
-        outcome = f"target {target:.2%} reached in {reached:.1f} s"
+        outcome = f"target {targets} reached in {reached:.1f} s"
     unfinished = "" if run.of("summary") else "; no summary record (stopped early or still running)"
     settled = settle_epoch(_throughput(run)) if _batch_changes(run) else None
     settling = "" if settled is None else f"; 90 % of settled samples/s reached at epoch {settled:.3f}"
+    accuracy = last["test_accuracy"]
+    final = f"test loss {last['test_loss']:.4f}" if accuracy is None else f"test accuracy {accuracy:.4f}"
     return (
-        f"{run.label}\n    final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s, epoch "
+        f"{run.label}\n    final {final} at {last['time_s']:.1f} s, epoch "
         f"{last['epoch']:.2f}, iteration {last['iteration']}; {outcome}{settling}{unfinished}"
     )
 
@@ -122,6 +136,7 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
         ("Test accuracy over time", "training time (s)", "test accuracy", _series("time_s", "test_accuracy")),
         ("Test accuracy per epoch", "epoch", "test accuracy", _series("epoch", "test_accuracy")),
         ("Training loss", "epoch", "mean training loss since the last evaluation", _series("epoch", "train_loss")),
+        ("Test loss over time (dashed: the loss target)", "training time (s)", "test loss", _draw_test_loss),
         ("Throughput", "training time (s)", "samples/s (all ranks)", _series("time_s", "samples_per_s")),
         ("Learners per rank", "training time (s)", "learners per rank", _draw_learners),
         ("Learning rate and hyper-parameter changes", "training time (s)", "learning rate", _draw_hyperparams),
@@ -167,9 +182,16 @@ def _panels(runs: list[RunRecords]) -> list[tuple[str, str, str, Callable]]:
 
 def _series(x: str, y: str):
     def draw(ax, run: RunRecords, color) -> None:
-        ax.plot([r[x] for r in run.evaluations], [r[y] for r in run.evaluations], color=color, marker=".")
+        points = [(r[x], r[y]) for r in run.evaluations if r.get(y) is not None]  # no accuracy for some models
+        ax.plot([p for p, _ in points], [v for _, v in points], color=color, marker=".")
 
     return draw
+
+
+def _draw_test_loss(ax, run: RunRecords, color) -> None:
+    _series("time_s", "test_loss")(ax, run, color)
+    if run.config.get("target_loss") is not None:
+        ax.axhline(run.config["target_loss"], color=color, linestyle="--")
 
 
 def _step(ax, points: list[tuple[float, float]], color) -> None:

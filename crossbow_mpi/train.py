@@ -91,17 +91,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(config: Config, rank: int) -> int:
+    import torch.nn.functional as F
+
     from crossbow_mpi.data import build_dataset
-    from crossbow_mpi.models import build_model
+    from crossbow_mpi.models import LANGUAGE_MODELS, build_model, token_cross_entropy
     from crossbow_mpi.training.trainer import Trainer, agree
 
     trainer = Trainer(config)
-    train_set, test_set = agree(trainer.comm, lambda: build_dataset(config.dataset, config.data_dir, config.seed))
+    train_set, test_set = agree(
+        trainer.comm, lambda: build_dataset(config.dataset, config.data_dir, config.seed, config.seq_len)
+    )
 
     def model_fn():
-        return build_model(config.model, train_set.input_shape, train_set.num_classes)
+        return build_model(config.model, train_set.input_shape, train_set.num_classes, config.model_args)
 
-    result = trainer.fit(model_fn, train_set, test_set)
+    agree(trainer.comm, model_fn)  # a size the model cannot take is one line, before training
+    loss_fn = token_cross_entropy if config.model in LANGUAGE_MODELS else F.cross_entropy
+    result = trainer.fit(model_fn, train_set, test_set, loss_fn)
     if result.preempted:
         if rank == 0:
             print(
@@ -111,15 +117,22 @@ def run(config: Config, rank: int) -> int:
             )
         return EXIT_PREEMPTED
     if rank == 0:
+        targets = " or ".join(
+            ([f"{config.target_accuracy:.2%}"] if config.target_accuracy > 0 else [])
+            + ([f"test loss {config.target_loss:g}"] if config.target_loss is not None else [])
+        )
         outcome = (
-            f"reached {config.target_accuracy:.2%} in {result.time_to_accuracy_s:.1f} s"
+            f"reached {targets} in {result.time_to_target_s:.1f} s"
             if result.reached
-            else f"did not reach {config.target_accuracy:.2%}"
-            if config.target_accuracy > 0
+            else f"did not reach {targets}"
+            if targets
             else "trained to the epoch limit"
         )
+        tested = f"test loss {result.test_loss:.4f}" + (
+            "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
+        )
         print(
-            f"{outcome}; test accuracy {result.test_accuracy:.4f} after {result.epochs:.2f} epochs, "
+            f"{outcome}; {tested} after {result.epochs:.2f} epochs, "
             f"{result.iterations} iterations, {result.learners} learners/rank; "
             f"records in {os.path.join(config.run_dir, 'metrics.jsonl')}",
             flush=True,

@@ -81,3 +81,6 @@ elif [ -n "$cuda" ]; then
 fi
 pip -e "${root}[$extras]"
 "$py" -c "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print('launch/setup.sh: mpi4py uses', MPI.Get_library_version().splitlines()[0])"
+if [ ! -f "$root/datasets/text/corpus.txt" ]; then  # --dataset text's corpus: this Python's standard-library sources
+    "$py" -m crossbow_mpi.data.prepare text "$root/datasets/text"
+fi

@@ -39,6 +39,7 @@ COLUMNS = {
     "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"},
+    "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
         "slowdown",
@@ -131,7 +132,7 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
             {
                 "event": "summary",
                 "reached": True,
-                "time_to_accuracy_s": 5.0,
+                "time_to_target_s": 5.0,
                 "epochs": 1.0,
                 "final_test_accuracy": 0.99,
             },

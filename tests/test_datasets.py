@@ -401,7 +401,7 @@ def test_build_dataset_cifar10(tmp_path):
 
 
 def test_unknown_dataset():
-    assert dataset_names() == ["cifar10", "mnist", "synthetic-cifar", "synthetic-mnist", "synthetic-sequences"]
+    assert dataset_names() == ["cifar10", "mnist", "synthetic-cifar", "synthetic-mnist", "synthetic-sequences", "text"]
     with pytest.raises(ValueError) as excinfo:
         build_dataset("imagenet", "", seed=0)
     message = str(excinfo.value)

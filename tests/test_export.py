@@ -57,7 +57,7 @@ def test_exported_model_loads_into_a_fresh_model_and_scores_the_last_evaluation(
     _, test_set = build_dataset(config["dataset"], config["data_dir"], config["seed"])
     model = build_model(config["model"], test_set.input_shape, test_set.num_classes)
     model.load_state_dict(load_file(out))
-    accuracy, _ = evaluate_model(model, test_set, self_comm(), F.cross_entropy)
+    accuracy = evaluate_model(model, test_set, self_comm(), F.cross_entropy)["test_accuracy"]
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "test_accuracy" in r][-1]
     assert accuracy == last["test_accuracy"]
@@ -127,7 +127,8 @@ def test_dataset_shape_matches_the_loaded_dataset(name):
 
 
 def test_every_dataset_has_a_shape():
-    assert sorted(SHAPES) == dataset_names()
+    assert sorted([*SHAPES, "text"]) == dataset_names()  # text's shape follows --seq-len
+    assert dataset_shape("text", seq_len=32) == ((32,), 256)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -146,4 +147,4 @@ def test_fit_result_model_holds_z_with_its_buffers(comm, shared_tmp):
     assert model.state_dict()["2.num_batches_tracked"] > 0
     fresh = mlp_bn_float64()
     fresh.load_state_dict(result.state_dict())
-    assert evaluate_model(fresh, test, comm, F.cross_entropy)[0] == result.test_accuracy
+    assert evaluate_model(fresh, test, comm, F.cross_entropy)["test_accuracy"] == result.test_accuracy

@@ -66,6 +66,17 @@ def killed_before_its_first_checkpoint(run: Path) -> None:
         path.unlink()
 
 
+GPT = ["--dataset", "text", "--model", "tinygpt"]
+
+
+def text_corpus(data: Path, size: int) -> None:
+    """Write a corpus of about `size` bytes into `data`, as `prepare text --source` does."""
+    from crossbow_mpi.data.prepare import prepare_text
+
+    (data.parent / "mine.txt").write_bytes(b"a hostile user's text. " * (size // 23))
+    prepare_text(data, data.parent / "mine.txt", max_bytes=0)
+
+
 def garbage_sums(data: Path) -> None:
     data.mkdir()
     for path in (REPO / "datasets" / "mnist").glob("*.gz"):
@@ -142,6 +153,34 @@ CASES = {
             ),
         )
     },
+    **{
+        name: Case(
+            "crossbow_mpi",
+            lambda run, flags=flags: [
+                *("--run-dir", str(run.parent / "new"), "--data-dir", str(run.parent / "text")),
+                *TRAIN[4:],
+                *GPT,
+                *flags,
+            ],
+            message,
+            lambda run, size=size: text_corpus(run.parent / "text", size),
+        )
+        for name, flags, size, message in (
+            ("a text corpus smaller than one window", ["--seq-len", "64"], 300, "bytes are too few for --seq-len 64"),
+            (
+                "tinygpt with a width its heads do not divide",
+                ["--model-args", "width=30,heads=4"],
+                4000,
+                "the embedding width 30 is not divisible by the 4 heads",
+            ),
+            ("--target-loss 0", ["--target-loss", "0"], 4000, "--target-loss must be positive, got 0.0"),
+        )
+    },
+    "text without its corpus": Case(
+        "crossbow_mpi",
+        lambda run: ["--run-dir", str(run.parent / "new"), *GPT, "--data-dir", str(run.parent / "none")],
+        "corpus.txt: missing; make it with python -m crossbow_mpi.data.prepare text",
+    ),
     "plan with a negative bandwidth": Case(
         "crossbow_mpi.plan",
         lambda run: ["--quick", "--bandwidth", "-1", "--latency", "2", "--out", str(run.parent / "plan")],

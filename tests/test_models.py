@@ -84,7 +84,7 @@ def test_attention_takes_sequences_of_any_length_and_refuses_images():
 
 
 def test_unknown_model():
-    assert model_names() == ["attention", "lenet", "mlp", "resnet32"]
+    assert model_names() == ["attention", "lenet", "mlp", "resnet32", "tinygpt"]
     with pytest.raises(ValueError) as excinfo:
         build_model("vgg", (3, 32, 32), 10)
     message = str(excinfo.value)

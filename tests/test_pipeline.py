@@ -346,7 +346,8 @@ def test_export_of_a_pipeline_run_writes_the_whole_model(lenet_run, tmp_path):
     model.load_state_dict(load_file(out))
     config = json.loads((lenet_run / "config.json").read_text())
     _, test = build_dataset(config["dataset"], config["data_dir"], config["seed"])
-    accuracy, loss = evaluate_model(model, test, self_comm(), F.cross_entropy)
+    tested = evaluate_model(model, test, self_comm(), F.cross_entropy)
+    accuracy, loss = tested["test_accuracy"], tested["test_loss"]
     records = [json.loads(line) for line in (lenet_run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "test_loss" in r][-1]
     assert accuracy == last["test_accuracy"] and loss == pytest.approx(last["test_loss"], rel=1e-5)

@@ -76,7 +76,7 @@ def test_report_writes_a_png_and_a_summary_of_each_run(runs, tmp_path):
         assert f"final test accuracy {last['test_accuracy']:.4f} at {last['time_s']:.1f} s" in done.stdout
     summary = next(r for r in records(runs[1]) if r.get("event") == "summary")
     if summary["reached"]:
-        assert f"target 45.00% reached in {summary['time_to_accuracy_s']:.1f} s" in done.stdout
+        assert f"target 45.00% reached in {summary['time_to_target_s']:.1f} s" in done.stdout
     else:
         assert "target 45.00% not reached" in done.stdout
 

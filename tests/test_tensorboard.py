@@ -13,7 +13,17 @@ from crossbow_mpi.training.records import TENSORBOARD_DIR
 
 from helpers import run_job, snapshot_config, snapshot_datasets, snapshot_mlp
 
-SCALARS = ("test_accuracy", "test_loss", "train_loss", "samples_per_s", "learners", "lr", "epoch", "time_s")
+SCALARS = (
+    "test_accuracy",
+    "test_loss",
+    "target_loss",
+    "train_loss",
+    "samples_per_s",
+    "learners",
+    "lr",
+    "epoch",
+    "time_s",
+)
 
 
 @pytest.mark.slow
@@ -40,7 +50,8 @@ def test_evaluation_records_are_written_as_scalars(comm, shared_tmp):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     train, test = snapshot_datasets()
     run_dir = shared_tmp / "run"
-    Trainer(snapshot_config(run_dir, eval_every=160, tensorboard=True), comm).fit(snapshot_mlp, train, test)
+    config = snapshot_config(run_dir, eval_every=160, tensorboard=True, target_loss=1e-9)  # the target, beside the loss
+    Trainer(config, comm).fit(snapshot_mlp, train, test)
     if comm.rank == 0:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evaluations = [r for r in records if "event" not in r]

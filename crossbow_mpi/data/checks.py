@@ -1,12 +1,14 @@
 """A user's datasets against their model, checked on a few samples before training, so that a wrong sample shape,
-a label outside the model's classes or an output that is not class scores is one line naming the sample, the
-problem and the dataset, not a torch traceback on every rank."""
+a label outside the model's classes, an output that is not class scores or, with the user's own loss, a loss that
+is not a finite number is one line naming the sample, the problem and the dataset, not a torch traceback on every
+rank."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from crossbow_mpi.data.datasets import DataError
@@ -18,10 +20,17 @@ SAMPLES_CHECKED = 4
 
 @torch.no_grad()
 def check_samples(
-    module: nn.Module, dtype: torch.dtype, dataset, role: str, output_fn: Callable[[object], torch.Tensor] | None = None
+    module: nn.Module,
+    dtype: torch.dtype,
+    dataset,
+    role: str,
+    output_fn: Callable[[object], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
 ) -> None:
     """Run the first, the last and samples between of `dataset` (called `role` in messages) one at a time through
-    the module in evaluation mode; raise DataError at the first that does not fit."""
+    the module in evaluation mode; raise DataError at the first that does not fit. With the default loss a sample's
+    output must be one row of class scores and its label one class index; with the user's own `loss_fn`, labels
+    may have any shape and the loss must only be a finite number."""
     device = next(module.parameters()).device
     module.eval()
     last = len(dataset) - 1
@@ -38,6 +47,9 @@ def check_samples(
             raise DataError(
                 f"{where}: the model cannot take an input of shape {tuple(inputs.shape[1:])} ({reason})"
             ) from None
+        if loss_fn is not F.cross_entropy:
+            check_loss(where, batch_loss(role, loss_fn, outputs, targets))
+            continue
         scores = outputs if output_fn is None else output_fn(outputs)
         if not (isinstance(scores, torch.Tensor) and scores.dim() == 2 and len(scores) == 1):
             got = f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else f"a {type(scores).__name__}"
@@ -45,10 +57,25 @@ def check_samples(
                 f"the model's output for {where} is {got}, not one row of class scores per sample; "
                 "pass fit(..., output_fn=...) to pick the class scores for evaluation"
             )
+        if targets[0].numel() != 1:
+            raise DataError(
+                f"{where} has a label of shape {tuple(targets.shape[1:])}, not one class index; pass "
+                "fit(..., loss_fn=...) to train on labels of other shapes"
+            )
         label, classes = int(targets[0]), scores.shape[1]
         if not 0 <= label < classes:
             raise DataError(f"{where}: label {label} is outside the model's {classes} classes")
-    check_all_labels(dataset, role, classes)
+    if loss_fn is F.cross_entropy:
+        check_all_labels(dataset, role, classes)
+
+
+def check_loss(where: str, loss) -> None:
+    """DataError unless `loss` is a finite number (a tensor of one element)."""
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        raise DataError(f"the loss of {where} is {got}, not one number: loss_fn must reduce to a scalar")
+    if not torch.isfinite(loss):
+        raise DataError(f"the loss of {where} is {float(loss)}, not a finite number")
 
 
 def check_all_labels(dataset, role: str, classes: int) -> None:

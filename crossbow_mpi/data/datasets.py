@@ -1,4 +1,5 @@
-"""In-memory datasets: MNIST, CIFAR-10 and synthetic stand-ins, with checksum verification."""
+"""In-memory datasets: MNIST, CIFAR-10, synthetic stand-ins and byte windows of a text corpus, with checksum
+verification."""
 
 import functools
 import gzip
@@ -32,6 +33,12 @@ CIFAR10_TEST_FILES = ("test_batch.bin",)
 CIFAR10_IMAGE_SHAPE = (3, 32, 32)
 CIFAR10_RECORD_BYTES = 1 + math.prod(CIFAR10_IMAGE_SHAPE)
 CIFAR10_NUM_CLASSES = 10
+
+TEXT_FILE = "corpus.txt"
+TEXT_VOCAB = 256
+"""Byte-level: every byte value is a token."""
+TEXT_TEST_SHARE = 0.1
+"""The corpus's last tenth is the test split (contiguous, so no test window overlaps a training one)."""
 
 Stat = float | tuple[float, ...] | None
 
@@ -299,6 +306,51 @@ def synthetic_dataset(input_shape: Sequence[int], num_classes: int, size: int, s
     return ArrayDataset(inputs, targets, num_classes=num_classes)
 
 
+class TextDataset(Dataset):
+    """Non-overlapping windows of `seq_len` + 1 bytes of a text: sample i's input is bytes [iT, iT + T) and its
+    labels, the next byte at each position, bytes [iT + 1, iT + T + 1) (T = `seq_len`)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int):
+        self.data = data
+        self.seq_len = seq_len
+        self.num_classes = TEXT_VOCAB
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.seq_len,)
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.get_batch(torch.tensor([index]))
+        return inputs[0], targets[0]
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.data[indices[:, None] * self.seq_len + torch.arange(self.seq_len + 1)].long()
+        return windows[:, :-1], windows[:, 1:]
+
+
+def load_text(data_dir: str | Path, seq_len: int) -> tuple[TextDataset, TextDataset]:
+    """Return the (train, test) byte windows of `data_dir`/corpus.txt, verified against its SHA256SUMS."""
+    directory = Path(data_dir)
+    if not (directory / TEXT_FILE).is_file():
+        raise DataError(
+            f"{directory / TEXT_FILE}: missing; make it with python -m crossbow_mpi.data.prepare text {directory}"
+        )
+    sums_path = directory / SUMS_FILE
+    text = _read_verified(directory / TEXT_FILE, _read_sums(sums_path), sums_path)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    split = len(data) - int(len(data) * TEXT_TEST_SHARE)
+    train, test = TextDataset(data[:split], seq_len), TextDataset(data[split:], seq_len)
+    if not (len(train) and len(test)):
+        raise DataError(
+            f"{directory / TEXT_FILE}: {len(data)} bytes are too few for --seq-len {seq_len}: each split (the test "
+            f"split is the last {TEXT_TEST_SHARE:.0%}) needs at least one window of {seq_len + 1} bytes"
+        )
+    return train, test
+
+
 SEQUENCE_LENGTH = 64
 """synthetic-sequences: the longest sequence (and the padded width)."""
 SEQUENCE_VOCAB = 32
@@ -334,7 +386,9 @@ def synthetic_sequences(size: int, seed: int) -> SequenceDataset:
     return SequenceDataset(tokens.float(), targets, SEQUENCE_CLASSES, lengths)
 
 
-def _build_sequences(data_dir: str, seed: int, train_size: int, test_size: int) -> tuple[ArrayDataset, ArrayDataset]:
+def _build_sequences(
+    data_dir: str, seed: int, seq_len: int, train_size: int, test_size: int
+) -> tuple[ArrayDataset, ArrayDataset]:
     full = synthetic_sequences(train_size + test_size, seed)
     train, test = (
         SequenceDataset(full.inputs[part], full.targets[part], SEQUENCE_CLASSES, full.lengths[part])
@@ -349,13 +403,18 @@ class Loader(Protocol):
     def __call__(self, data_dir: str | Path, train: bool) -> ArrayDataset: ...
 
 
-def _build_real(loader: Loader, data_dir: str, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+def _build_real(loader: Loader, data_dir: str, seed: int, seq_len: int) -> tuple[ArrayDataset, ArrayDataset]:
     return loader(data_dir, train=True), loader(data_dir, train=False)
+
+
+def _build_text(data_dir: str, seed: int, seq_len: int) -> tuple[TextDataset, TextDataset]:
+    return load_text(data_dir, seq_len)
 
 
 def _build_synthetic(
     data_dir: str,
     seed: int,
+    seq_len: int,
     *,
     input_shape: tuple[int, ...],
     num_classes: int,
@@ -378,18 +437,23 @@ SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
 """Each dataset's input shape (without the batch dimension) and number of classes."""
 
 
-def _synthetic(name: str, train_size: int, test_size: int) -> Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]:
+Builder = Callable[[str, int, int], tuple[Dataset, Dataset]]
+"""(data directory, seed, window length) → the (train, test) datasets."""
+
+
+def _synthetic(name: str, train_size: int, test_size: int) -> Builder:
     input_shape, num_classes = SHAPES[name]
     return functools.partial(
         _build_synthetic, input_shape=input_shape, num_classes=num_classes, train_size=train_size, test_size=test_size
     )
 
 
-DATASETS: dict[str, Callable[[str, int], tuple[ArrayDataset, ArrayDataset]]] = {
+DATASETS: dict[str, Builder] = {
     "mnist": functools.partial(_build_real, load_mnist),
     "cifar10": functools.partial(_build_real, load_cifar10),
     "synthetic-mnist": _synthetic("synthetic-mnist", train_size=60000, test_size=10000),
     "synthetic-cifar": _synthetic("synthetic-cifar", train_size=50000, test_size=10000),
+    "text": _build_text,
     "synthetic-sequences": functools.partial(_build_sequences, train_size=20000, test_size=2000),
 }
 
@@ -398,16 +462,17 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS)
 
 
-def build_dataset(name: str, data_dir: str, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
-    """Return the (train, test) datasets for `name`; `data_dir` holds the files, synthetic sets ignore it."""
+def build_dataset(name: str, data_dir: str, seed: int, seq_len: int = 64) -> tuple:
+    """Return the (train, test) datasets for `name`; `data_dir` holds the files, synthetic sets ignore it; `seq_len`
+    is the window length of `text`."""
     _check_known(name)
-    return DATASETS[name](data_dir, seed)
+    return DATASETS[name](data_dir, seed, seq_len)
 
 
-def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
+def dataset_shape(name: str, seq_len: int = 64) -> tuple[tuple[int, ...], int]:
     """Return (input shape, number of classes) of dataset `name` without loading it."""
     _check_known(name)
-    return SHAPES[name]
+    return ((seq_len,), TEXT_VOCAB) if name == "text" else SHAPES[name]
 
 
 def _check_known(name: str) -> None:

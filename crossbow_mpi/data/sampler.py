@@ -57,7 +57,7 @@ class GlobalSampler:
 
 def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (inputs, int64 targets) for the indices: the dataset's own `get_batch`, else its items stacked;
-    DataError naming the sample when the samples' shapes differ or a label is not an integer class index."""
+    DataError naming the sample when the samples' or the labels' shapes differ or a label is not an integer."""
     if hasattr(dataset, "get_batch"):
         inputs, targets = dataset.get_batch(indices)
     else:
@@ -70,11 +70,13 @@ def fetch_batch(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
                     f"sample {i} of {describe(dataset)} has shape {tuple(x.shape)}, "
                     f"sample {rows[0]} has {tuple(samples[0].shape)}"
                 )
-            if y.numel() != 1:
+            if y.shape != labels[0].shape and not y.numel() == labels[0].numel() == 1:
                 raise DataError(
-                    f"sample {i} of {describe(dataset)} has a label of shape {tuple(y.shape)}, not one class index"
+                    f"sample {i} of {describe(dataset)} has a label of shape {tuple(y.shape)}, "
+                    f"sample {rows[0]} has {tuple(labels[0].shape)}"
                 )
-        inputs, targets = torch.stack(samples), torch.stack([y.reshape(()) for y in labels])
+        scalar = labels[0].numel() == 1  # a class index, also when given as a one-element tensor
+        inputs, targets = torch.stack(samples), torch.stack([y.reshape(()) if scalar else y for y in labels])
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise DataError(
             f"sample {int(indices[0])} of {describe(dataset)} has label {targets[0].item()!r} "

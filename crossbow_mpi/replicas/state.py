@@ -11,12 +11,15 @@ class _Serialised:
     """Dataclasses that are written to checkpoints field by field and read back refusing unknown fields."""
 
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    RENAMED: ClassVar[dict[str, str]] = {}
+    """Old field name → new, for checkpoints written before a rename."""
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict):
+        values = {cls.RENAMED.get(name, name): value for name, value in values.items()}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
@@ -27,6 +30,8 @@ class _Serialised:
 @dataclass
 class TrainState(_Serialised):
     """Where a run is: its data position, counters, timers and the evaluation window."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"time_to_accuracy_s": "time_to_target_s"}
 
     epoch: int = 0
     """Epochs completed."""
@@ -48,8 +53,8 @@ class TrainState(_Serialised):
     """This rank's training losses summed since the last evaluation (a checkpoint holds every rank's on rank 0)."""
     loss_count: int = 0
     """How many losses `loss_sum` adds up."""
-    time_to_accuracy_s: float | None = None
-    """Training seconds until the target accuracy was first reached."""
+    time_to_target_s: float | None = None
+    """Training seconds until a target (accuracy or loss) was first reached."""
     last_eval: int | None = None
     """Iteration of the last evaluation."""
 

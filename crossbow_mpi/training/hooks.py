@@ -31,6 +31,9 @@ from crossbow_mpi.training.records import MetricsLog, Progress
 
 OutputFn = Callable[[object], torch.Tensor]
 """Picks the class scores from a model's output (for models whose forward returns a tuple or a dict)."""
+MetricFn = Callable[[object, torch.Tensor], torch.Tensor | None]
+"""(output, labels) → whether each prediction is right (a bool tensor: per sample, or [B, T] per token), whose
+mean over the test set is `test_accuracy`; None: no accuracy."""
 EVAL_BATCH = 1000
 STOP_LAG = 16
 """Steps between a stop vote and its outcome: ranks may run this far apart, and stop this many steps after a
@@ -104,6 +107,7 @@ class Evaluation:
         test_set,
         loss_fn,
         output_fn: OutputFn | None,
+        metric_fn: MetricFn | None,
         metrics: MetricsLog,
         progress: Progress,
     ):
@@ -112,6 +116,7 @@ class Evaluation:
         self.test_set = test_set
         self.loss_fn = loss_fn
         self.output_fn = output_fn
+        self.metric_fn = metric_fn
         self.metrics = metrics
         self.progress = progress
         self.window_samples, self.window_seconds = 0, 0.0
@@ -129,15 +134,17 @@ class Evaluation:
         """Evaluate (collective; the run is settled); return the record."""
         state, cfg = run.state, self.config
         run.central.check_extra_state(self.data)
-        accuracy, loss = evaluate_model(run.central.module, self.test_set, self.data, self.loss_fn, self.output_fn)
+        tested = evaluate_model(
+            run.central.module, self.test_set, self.data, self.loss_fn, self.output_fn, self.metric_fn
+        )
         train_loss = self.data.allreduce_sum_numbers([state.loss_sum, state.loss_count])
         record = {
             "time_s": elapsed_s,
             "epoch": run.epoch_progress,
             "iteration": state.iteration,
             "samples": state.samples,
-            "test_accuracy": accuracy,
-            "test_loss": loss,
+            **tested,
+            **({"target_loss": cfg.target_loss} if cfg.target_loss is not None else {}),
             "train_loss": train_loss[0] / max(train_loss[1], 1),
             "learners": run.learners.k,
             "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9),
@@ -148,34 +155,62 @@ class Evaluation:
         state.last_eval = state.iteration
         if cfg.eval_every:
             state.next_eval += cfg.eval_every
-        if accuracy >= cfg.target_accuracy > 0 and state.time_to_accuracy_s is None:
-            state.time_to_accuracy_s = elapsed_s
+        if reached(record, cfg) and state.time_to_target_s is None:
+            state.time_to_target_s = elapsed_s
         self.window_samples, self.window_seconds = 0, 0.0
         self.metrics.write(record)
         self.progress.report(record)
         return record
 
 
+def reached(record: dict, config: Config) -> bool:
+    """Tell whether an evaluation reached a target: the test accuracy or the test loss."""
+    accuracy, loss = record["test_accuracy"], record["test_loss"]
+    by_accuracy = accuracy is not None and accuracy >= config.target_accuracy > 0
+    return by_accuracy or (config.target_loss is not None and loss <= config.target_loss)
+
+
 @torch.no_grad()
 def evaluate_model(
-    module: nn.Module, dataset, comm: Communicator, loss_fn, output_fn: OutputFn | None = None
-) -> tuple[float, float]:
-    """Return (accuracy, mean loss) of the module on the dataset, each rank evaluating a shard."""
+    module: nn.Module,
+    dataset,
+    comm: Communicator,
+    loss_fn,
+    output_fn: OutputFn | None = None,
+    metric_fn: MetricFn | None = None,
+) -> dict[str, float | None]:
+    """Return z's `test_loss` (the mean of the batches' losses, by samples) and `test_accuracy` (None where it does
+    not apply, see `hits`) on the dataset, each rank evaluating a shard; for a language model (per-token accuracy)
+    also `test_perplexity`, exp of the mean token loss."""
     module.eval()
     device = next(module.parameters()).device
     dtype = next(module.parameters()).dtype
     n = len(dataset)
     start, stop = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
-    correct, loss_sum = 0.0, 0.0
+    correct, counted, loss_sum, tokens = 0.0, 0.0, 0.0, 0.0
     for first in range(start, stop, EVAL_BATCH):
         indices = torch.arange(first, min(first + EVAL_BATCH, stop))
         inputs, targets = to_device(fetch_batch(dataset, indices), device, dtype)
         outputs = module(inputs)
         loss_sum += float(batch_loss("test set", loss_fn, outputs, targets)) * len(indices)
         scores = outputs if output_fn is None else output_fn(outputs)
-        correct += float((scores.argmax(1) == targets).sum())
-    correct, loss_sum = comm.allreduce_sum_numbers([correct, loss_sum])
-    return correct / n, loss_sum / n
+        hit = metric_fn(outputs, targets) if metric_fn is not None else hits(scores, targets)
+        if hit is not None:
+            correct, counted = correct + float(hit.sum()), counted + hit.numel()
+            tokens += hit.numel() if hit.dim() == 2 else 0
+    correct, counted, loss_sum, tokens = comm.allreduce_sum_numbers([correct, counted, loss_sum, tokens])
+    record = {"test_loss": loss_sum / n, "test_accuracy": correct / counted if counted else None}
+    if tokens:
+        record["test_perplexity"] = torch.tensor(loss_sum / n, dtype=torch.float64).exp().item()  # inf past e^709
+    return record
+
+
+def hits(scores: object, targets: torch.Tensor) -> torch.Tensor | None:
+    """Return whether each arg-max class is the label: per sample for scores [B, C] and labels [B], per token for
+    scores [B, T, V] and labels [B, T]; None for other shapes or an output that is not a tensor (no accuracy)."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() not in (2, 3) or targets.is_floating_point():
+        return None
+    return scores.argmax(-1) == targets if scores.shape[:-1] == targets.shape else None
 
 
 class Tuning:
@@ -393,6 +428,7 @@ class Components:
         test_set,
         loss_fn,
         output_fn: OutputFn | None,
+        metric_fn: MetricFn | None,
         controllers: Sequence[Controller],
         device: torch.device,
     ) -> Components:
@@ -409,7 +445,7 @@ class Components:
         stopping = StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested)
         return cls(
             schedule=Schedule(config),
-            evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metrics, progress),
+            evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metric_fn, metrics, progress),
             checkpoints=checkpoints,
             tuning=tuning,
             controllers=adjusting,

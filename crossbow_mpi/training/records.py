@@ -73,14 +73,16 @@ class Progress:
     def report(self, record: dict) -> None:
         if not self.enabled:
             return
+        accuracy = "" if record["test_accuracy"] is None else f"test_acc {record['test_accuracy']:.4f} "
+        perplexity = f"test_ppl {record['test_perplexity']:.2f} " if "test_perplexity" in record else ""
         line = (
             f"epoch {record['epoch']:.2f} iter {record['iteration']} "
-            f"test_acc {record['test_accuracy']:.4f} test_loss {record['test_loss']:.4f} "
+            f"{accuracy}test_loss {record['test_loss']:.4f} {perplexity}"
             f"train_loss {record['train_loss']:.4f} {record['samples_per_s']:.0f} samples/s "
             f"k={record['learners']} t={record['time_s']:.1f}s"
         )
         if self.bar is not None:
-            self.bar.set_postfix_str(f"acc {record['test_accuracy']:.4f}")
+            self.bar.set_postfix_str(accuracy or f"test_loss {record['test_loss']:.4f}")
             self.bar.write(line, file=sys.stderr)
         else:
             print(line, file=sys.stderr, flush=True)

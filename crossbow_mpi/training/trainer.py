@@ -37,7 +37,7 @@ from crossbow_mpi.replicas.optimizers import OptimizerFn, check_optimizer_fn, co
 from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import parse_imbalance
 from crossbow_mpi.training import checkpoint
-from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, OutputFn
+from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, MetricFn, OutputFn
 from crossbow_mpi.training.rank_run import Run
 from crossbow_mpi.training.records import summary_writer_class
 
@@ -49,11 +49,11 @@ class FitResult:
     """What a finished run reached."""
 
     reached: bool
-    """Whether the target accuracy was reached."""
-    time_to_accuracy_s: float | None
-    """Seconds of training until the target was first reached, None if never."""
-    test_accuracy: float
-    """Accuracy of z at the last evaluation."""
+    """Whether a target (accuracy or loss) was reached."""
+    time_to_target_s: float | None
+    """Seconds of training until a target was first reached, None if never."""
+    test_accuracy: float | None
+    """Accuracy of z at the last evaluation (None where the model's output and labels give none)."""
     iterations: int
     """Global iterations run."""
     epochs: float
@@ -64,8 +64,17 @@ class FitResult:
     """Learners per rank at the end."""
     preempted: bool = False
     """Whether the run stopped early on a stop signal, after writing a checkpoint to resume from."""
+    test_loss: float = math.nan
+    """Loss of z at the last evaluation."""
+    test_perplexity: float | None = None
+    """exp(test_loss) for a language model (per-token accuracy), else None."""
     _model_fn: Callable[[], nn.Module] | None = dataclasses.field(default=None, repr=False, compare=False)
     _extra: bytes = dataclasses.field(default=b"", repr=False, compare=False)
+
+    @property
+    def time_to_accuracy_s(self) -> float | None:
+        """`time_to_target_s`, by its name from before loss targets."""
+        return self.time_to_target_s
 
     def model(self) -> nn.Module:
         """Return a new `model_fn()` module holding the final z and its frozen parameters and non-float buffers."""
@@ -209,8 +218,8 @@ class Trainer:
         )
         for dataset, role in ((train_set, "training set"), (test_set, "test set")):
             if dataset is not None:
-                check = functools.partial(check_samples, run.central.module, run.layout.dtype, dataset, role, output_fn)
-                agree(world, check)
+                module, dtype = run.central.module, run.layout.dtype
+                agree(world, functools.partial(check_samples, module, dtype, dataset, role, output_fn, loss_fn))
         return run
 
     def fit(
@@ -222,16 +231,19 @@ class Trainer:
         output_fn: OutputFn | None = None,
         controllers: Sequence[Controller] = (),
         optimizer_fn: OptimizerFn | None = None,
+        metric_fn: MetricFn | None = None,
     ) -> FitResult:
-        """Train `model_fn()` replicas on train_set until the target accuracy on test_set or the epoch limit.
+        """Train `model_fn()` replicas on train_set until a target (accuracy or loss) on test_set or the epoch limit.
 
         `output_fn` picks the class scores from the model's output for evaluation (default: the output itself).
+        With the user's own `loss_fn`, labels may have any shape; `metric_fn(output, labels)` says which predictions
+        are right (default: the arg-max class per sample, or per token for [B, T, V] scores against [B, T] labels).
         Each controller may change the run's hyper-parameters after any step (see hooks.Controller). A Trainer
         trains once: a fit that ends releases its NCCL communicators."""
         cfg, world = self.config, self.topology.world
         rendezvous(world, cfg.collective_timeout, "Trainer.fit")
         agree(world, lambda: _check_test_set(test_set))
-        inputs = _Inputs(model_fn, train_set, test_set, loss_fn, output_fn, controllers, optimizer_fn)
+        inputs = _Inputs(model_fn, train_set, test_set, loss_fn, output_fn, controllers, optimizer_fn, metric_fn)
         run = self.start(*inputs.start_args())
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
         parts = self._components(cfg, run, inputs)
@@ -265,7 +277,7 @@ class Trainer:
         if cfg.adaptive_batch:
             policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs)
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
-        args = (inputs.test_set, inputs.loss_fn, inputs.output_fn, controllers, self.device)
+        args = (inputs.test_set, inputs.loss_fn, inputs.output_fn, inputs.metric_fn, controllers, self.device)
         return Components.build(cfg, self.topology, run, *args)
 
     def _recover(
@@ -331,7 +343,7 @@ class Trainer:
         if stop:
             run.settle()
             c.checkpoints.save(run, clock.elapsed(state))
-        while not stop and run.epoch_progress < cfg.epochs and state.time_to_accuracy_s is None and not time_limited:
+        while not stop and run.epoch_progress < cfg.epochs and state.time_to_target_s is None and not time_limited:
             if not run.step_fits():
                 state.next_epoch()
                 continue
@@ -367,7 +379,7 @@ class Trainer:
         if stop:
             c.metrics.write({"event": "preempted", "iteration": state.iteration, "time_s": clock.elapsed(state)})
             c.progress.note(f"stopped by a signal at iteration {state.iteration}; resume with --resume")
-            return _result(run, reached=False, accuracy=float("nan"), preempted=True)
+            return _result(run, {"test_accuracy": math.nan, "test_loss": math.nan}, preempted=True)
         if state.last_eval != state.iteration or record is None:
             record = c.evaluation(run, lr, clock.elapsed(state))
         c.checkpoints.save(run, clock.elapsed(state))
@@ -380,17 +392,20 @@ class Trainer:
                 f"optimizer: {summary['optimizer_s']:.1f}s of {summary['time_s']:.1f}s "
                 f"({summary['optimizer_share']:.0%}); trained with {summary['algorithm']}"
             )
-        return _result(run, reached=state.time_to_accuracy_s is not None, accuracy=record["test_accuracy"])
+        return _result(run, record)
 
     def _summary(self, run: Run, record: dict, elapsed_s: float) -> dict:
         """Return the run's last metrics record."""
         state = run.state
         return {
             "event": "summary",
-            "reached": state.time_to_accuracy_s is not None,
-            "time_to_accuracy_s": state.time_to_accuracy_s,
+            "reached": state.time_to_target_s is not None,
+            "time_to_target_s": state.time_to_target_s,
             "target_accuracy": self.config.target_accuracy,
+            "target_loss": self.config.target_loss,
             "final_test_accuracy": record["test_accuracy"],
+            "final_test_loss": record["test_loss"],
+            **({"final_test_perplexity": record["test_perplexity"]} if "test_perplexity" in record else {}),
             "time_s": elapsed_s,
             "iterations": state.iteration,
             "epochs": run.epoch_progress,
@@ -424,6 +439,7 @@ class _Inputs:
     output_fn: OutputFn | None
     controllers: Sequence[Controller]
     optimizer_fn: OptimizerFn | None
+    metric_fn: MetricFn | None
 
     def start_args(self) -> tuple:
         """The arguments of `Trainer.start`."""
@@ -434,11 +450,13 @@ def _names(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _result(run: Run, reached: bool, accuracy: float, preempted: bool = False) -> FitResult:
+def _result(run: Run, record: dict, preempted: bool = False) -> FitResult:
     return FitResult(
-        reached=reached,
-        time_to_accuracy_s=run.state.time_to_accuracy_s,
-        test_accuracy=accuracy,
+        reached=run.state.time_to_target_s is not None and not preempted,
+        time_to_target_s=run.state.time_to_target_s,
+        test_accuracy=record["test_accuracy"],
+        test_loss=record["test_loss"],
+        test_perplexity=record.get("test_perplexity"),
         iterations=run.state.iteration,
         epochs=run.epoch_progress,
         central=run.central.layout.to_logical(run.central.z.detach()).cpu(),
