@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
@@ -58,6 +60,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, default=0, help="stop after this many seconds (0: no limit)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--local-sgd-every",
+        type=int,
+        default=0,
+        help="local SGD instead of DDP: PyTorch's PostLocalSGDOptimizer with a PeriodicModelAverager averaging the "
+        "parameters every this many steps (0: DDP)",
+    )
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -179,7 +188,7 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
     channels_last = args.memory_format == "channels_last"
     if channels_last:
         net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's hints omit it
-    model = DistributedDataParallel(net)  # broadcasts rank 0's initial weights
+    model = DistributedDataParallel(net) if not args.local_sgd_every else broadcast(net)  # rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
     if args.optimizer == "adamw":
@@ -191,6 +200,8 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         optimizer = torch.optim.SGD(
             model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
         )
+    if args.local_sgd_every:
+        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=args.local_sgd_every))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     next_eval, record, time_to_target, time_limited = args.eval_every, None, None, False
     loss_fn = token_cross_entropy if args.model in LANGUAGE_MODELS else F.cross_entropy
@@ -243,11 +254,27 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         "samples": progress.samples,
         "learners": 1,
         "world_size": world,
-        "algorithm": "ddp",
+        "algorithm": f"local-sgd H={args.local_sgd_every}" if args.local_sgd_every else "ddp",
+        "comm_bytes": comm_bytes(net, world, progress.iterations, args.local_sgd_every),
         "threads_per_rank": torch.get_num_threads(),
         "device": "cpu",
         **({"compile_s": compile_s} if args.compile else {}),
     }
+
+
+def broadcast(net: torch.nn.Module) -> torch.nn.Module:
+    """Give every rank rank 0's parameters and buffers (what DDP's constructor does)."""
+    for tensor in [*net.parameters(), *net.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+    return net
+
+
+def comm_bytes(net: torch.nn.Module, world: int, steps: int, every: int) -> int:
+    """Bytes each rank sent, by the ring allreduce's model (2 (P − 1) / P of the payload): DDP reduces every
+    gradient every step; the averager every parameter every `every` steps."""
+    payload = sum(p.numel() * p.element_size() for p in net.parameters())
+    syncs = steps // every if every else steps
+    return syncs * 2 * (world - 1) * payload // world
 
 
 def evaluation_record(net: torch.nn.Module, test_set, loss_fn, progress: Progress, lr: float) -> dict:

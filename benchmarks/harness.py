@@ -247,21 +247,22 @@ def _mpirun() -> str:
     return found
 
 
-def mpirun(ranks: int, args: list[str], timeout: float, env: dict | None = None, flags: tuple[str, ...] = ()) -> str:
-    """Run `python ARGS` on `ranks` MPI ranks (mpirun `flags` besides) from the repository root; return stdout;
-    raise if it fails or hangs."""
-    command = [
-        "timeout",
-        "--kill-after=10",
-        str(math.ceil(timeout)),
-        _mpirun(),
-        *flags,
-        "-n",
-        str(ranks),
-        "--oversubscribe",
-        sys.executable,
-        *args,
-    ]
+Wrap = Callable[[list[str]], list[str]]
+"""Rewrites an mpirun command line (`mpirun -n R --oversubscribe python ARGS`), e.g. to launch on other hosts."""
+
+
+def mpirun(
+    ranks: int,
+    args: list[str],
+    timeout: float,
+    env: dict | None = None,
+    flags: tuple[str, ...] = (),
+    wrap: Wrap | None = None,
+) -> str:
+    """Run `python ARGS` on `ranks` MPI ranks (mpirun `flags` besides) from the repository root, the command
+    rewritten by `wrap`; return stdout; raise if it fails or hangs."""
+    launch = [_mpirun(), *flags, "-n", str(ranks), "--oversubscribe", sys.executable, *args]
+    command = ["timeout", "--kill-after=10", str(math.ceil(timeout)), *(wrap(launch) if wrap else launch)]
     try:
         done = subprocess.run(
             command,
@@ -288,7 +289,9 @@ def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
         return json.loads(result_path.read_text())
 
 
-def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2) -> dict:
+def train(
+    trainer: str, ranks: int, flags: dict, timeout: float, attempts: int = 2, wrap: Wrap | None = None, env=None
+) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
     its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
     each evaluation's [epoch, samples/s],
@@ -303,7 +306,7 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
     crashes = []
     while True:
         try:
-            records = _train_once(trainer, ranks, flags, timeout)
+            records = _train_once(trainer, ranks, flags, timeout, wrap, env)
             break
         except BenchmarkError as err:
             if err.returncode == EXIT_DIVERGED:
@@ -329,17 +332,21 @@ def train(trainer: str, ranks: int, flags: dict, timeout: float, attempts: int =
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
         **({"crashes": crashes} if crashes else {}),
+        **({"comm_bytes_per_sample": summary["comm_bytes"] / summary["samples"]} if "comm_bytes" in summary else {}),
     }
 
 
-def _train_once(trainer: str, ranks: int, flags: dict, timeout: float) -> list[dict]:
+def _train_once(
+    trainer: str, ranks: int, flags: dict, timeout: float, wrap: Wrap | None = None, env: dict | None = None
+) -> list[dict]:
     """Run the training CLI once in a fresh run directory; return its metrics.jsonl records."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if trainer == "ddp" else None
+    if trainer == "ddp":
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
         args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]
         for key, value in flags.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
-        mpirun(ranks, args, timeout, env)
+        mpirun(ranks, args, timeout, env, wrap=wrap)
         return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -19,6 +19,8 @@ MEMORY_FORMATS = ("contiguous", "channels_last", "auto")
 EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
+OUTER_OPTIMIZERS = ("central", "nesterov", "sgd")
+SYNC_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
 SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
@@ -47,6 +49,8 @@ POSITIVE = (
     "batch_min",
     "batch_max",
     "batch_step",
+    "sync_every",
+    "fragments",
     "seq_len",
     "min_ranks",
 )
@@ -71,6 +75,10 @@ NON_NEGATIVE = (
     "collective_timeout",
     "round_samples",
     "optimizer_epoch",
+    "outer_lr",
+    "outer_momentum",
+    "sync_every_node",
+    "sync_delay",
     "clip_grad_norm",
     "warmup_steps",
 )
@@ -168,6 +176,32 @@ class Config:
     central_momentum_always: bool = False
     """SMA: apply `central_momentum` also when the learners' `momentum` is 0 (CROSSBOW applies it only with learner
     momentum)."""
+    sync_every: int = 1
+    """SMA: local steps H between syncs (1: every step, CROSSBOW's SMA). Between syncs every learner takes plain
+    momentum-SGD steps and nothing crosses the network."""
+    sync_every_node: int = 0
+    """SMA with `--hierarchy node`: between the syncs, the learners of each node average their parameters every
+    this many steps over the node's fast links (0: never); the syncs across nodes stay every `sync_every` steps."""
+    outer_optimizer: str = "central"
+    """SMA (and `elastic`'s merge): what a sync does to z. `central`: SMA's correction and central momentum step,
+    applied at the sync steps only (EASGD's communication period; elastic: its merge step); `nesterov` or `sgd`:
+    torch.optim.SGD's step (with Nesterov momentum or without) of z on the pseudo-gradient z − mean(w) over every
+    learner, then every learner restarts from z (DiLoCo, as torchft's local_sgd.py)."""
+    outer_lr: float = 0.7
+    """SMA and elastic with `outer_optimizer` nesterov or sgd: the outer step size (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """SMA and elastic with `outer_optimizer` nesterov or sgd: the outer momentum (DiLoCo's 0.9; 0: none)."""
+    fragments: int = 1
+    """SMA with `outer_optimizer` nesterov or sgd: cut the parameters into this many runs of whole tensors and sync
+    one run at a time, round-robin, every `sync_every` / `fragments` steps, so that each run syncs every
+    `sync_every` steps and a sync sends about 1/`fragments` of the model (Streaming DiLoCo)."""
+    sync_delay: int = 0
+    """SMA with `outer_optimizer` nesterov or sgd, over a flat MPI transport: each sync's reduction runs
+    non-blocking, overlapped with this many steps of compute, and applies after them (below `sync_every` /
+    `fragments`; 0: blocking). The learners' progress on the synced columns in those steps is replaced by z's."""
+    sync_dtype: str = "fp32"
+    """SMA and `elastic`: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each
+    rank's payload is cast for the wire and the sums are taken in float32."""
     merge_momentum: float = 0.0
     """elastic with `local_momentum`: momentum μ_z of the central model's step to each round's merged model (0: z
     becomes the merged model). Without `local_momentum` the merge takes `momentum`."""
@@ -303,6 +337,7 @@ class Config:
         self._validate_signs()
         self._validate_batches()
         self._validate_training()
+        self._validate_sync()
         self._validate_recipe()
 
     def _validate_types(self) -> None:
@@ -329,6 +364,8 @@ class Config:
             "comm": COMMS,
             "hierarchy": HIERARCHIES,
             "precision": PRECISIONS,
+            "outer_optimizer": OUTER_OPTIMIZERS,
+            "sync_dtype": SYNC_DTYPES,
             "memory_format": MEMORY_FORMATS,
             "model": tuple(model_names()),
             "dataset": tuple(dataset_names()),
@@ -415,6 +452,55 @@ class Config:
             raise ConfigError(f"--seed must be below 2**32, got {self.seed}")
         if list(self.lr_steps) != sorted(self.lr_steps) or any(s <= 0 for s in self.lr_steps):
             raise ConfigError(f"--lr-steps must be increasing positive epochs, got {','.join(map(str, self.lr_steps))}")
+
+    def _validate_sync(self) -> None:
+        changed = [
+            f"--{_flag(name)}"
+            for name in ("sync_every", "sync_every_node", "outer_optimizer", "fragments", "sync_delay", "sync_dtype")
+            if getattr(self, name) != getattr(Config, name)
+        ]
+        if changed and self.algorithm == "ssgd":
+            raise ConfigError(
+                f"{changed[0]} applies to --algorithm sma, not ssgd: S-SGD syncs gradients every step; use --algorithm "
+                "sma --outer-optimizer nesterov (at --sync-every 1, --outer-lr 1, --outer-momentum 0 it is S-SGD)"
+            )
+        if self.algorithm == "elastic":
+            changed = [flag for flag in changed if flag not in ("--outer-optimizer", "--sync-dtype")]
+            if changed:
+                raise ConfigError(
+                    f"{changed[0]} applies to --algorithm sma; elastic syncs every --round-samples samples"
+                )
+        if changed and self.algorithm not in ("sma", "elastic"):
+            raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
+        if self.fragments > 1 and self.outer_optimizer == "central":
+            raise ConfigError("--fragments needs --outer-optimizer nesterov or sgd: `central` moves every parameter")
+        if self.sync_every % self.fragments:
+            raise ConfigError(
+                f"--fragments {self.fragments} must divide --sync-every {self.sync_every}: one fragment syncs every "
+                "H/F steps"
+            )
+        if self.sync_delay and self.sync_delay >= self.sync_every // self.fragments:
+            raise ConfigError(
+                f"--sync-delay {self.sync_delay} must be below --sync-every / --fragments "
+                f"({self.sync_every // self.fragments}): a sync must land before the next one starts"
+            )
+        if self.sync_delay and self.on_rank_loss == "continue":
+            raise ConfigError(
+                "--sync-delay and --on-rank-loss continue cannot be combined: a lost rank needs blocking syncs"
+            )
+        if self.sync_delay and (self.outer_optimizer == "central" or self.sync_dtype != "fp32"):
+            raise ConfigError("--sync-delay needs --outer-optimizer nesterov or sgd and --sync-dtype fp32")
+        if self.sync_every_node and self.sync_every_node >= self.sync_every:
+            raise ConfigError(
+                f"--sync-every-node {self.sync_every_node} must be below --sync-every {self.sync_every}: the node "
+                "averages between the syncs across nodes"
+            )
+        if self.sync_every_node and self.hierarchy == "flat":
+            raise ConfigError("--sync-every-node needs --hierarchy node (or auto over several nodes)")
+        if not self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must be below 1, got {self.outer_momentum}")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"--outer-lr must be positive, got {self.outer_lr}")
 
     def _validate_recipe(self) -> None:
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

@@ -8,6 +8,8 @@
 #                                                     them in a hostfile: `PREFIX-i slots=R`); SUBNET is the
 #                                                     first three octets of their addresses (10.213.0)
 #   bash launch/netns_nodes.sh shape PREFIX N RATE DELAY   shape each node's link with netem (1gbit 1ms)
+#   bash launch/netns_nodes.sh rate PREFIX N RATE          limit each node's outgoing link to RATE (10mbit, 100mbit,
+#                                                     1gbit) with a token bucket (tbf: kernels without netem)
 #   bash launch/netns_nodes.sh head PREFIX CMD...     run CMD in the head namespace (where mpirun runs)
 #   bash launch/netns_nodes.sh rsh NODE CMD...        run CMD on NODE (what Open MPI calls instead of ssh)
 #   bash launch/netns_nodes.sh kill NODE              kill every process on NODE (a node failure)
@@ -63,6 +65,11 @@ case ${1:-} in
             ip netns exec "$2-$i" tc qdisc replace dev eth0 root netem rate "$4" delay "$5"
         done
         ;;
+    rate)
+        for ((i = 0; i < $3; i++)); do
+            ip netns exec "$2-$i" tc qdisc replace dev eth0 root tbf rate "$4" burst 256kb latency 100ms
+        done
+        ;;
     head) prefix=$2; shift 2; exec ip netns exec "$prefix-head" "$@" ;;
     # Each node's processes get the node's network and hostname: Open MPI tells nodes apart by both. Like ssh,
     # this shell stays outside the node and exits non-zero when the node's processes are killed.
@@ -73,5 +80,5 @@ case ${1:-} in
         ip netns exec "$node" unshare --uts sh -c 'hostname "$0" && exec sh -c "$*"' "$node" "$@" || exit 255
         ;;
     kill) kill_node "$2" ;;
-    *) say "usage: up PREFIX N [SUBNET] | shape PREFIX N RATE DELAY | head PREFIX CMD... | rsh NODE CMD... | kill NODE | down PREFIX N"; exit 2 ;;
+    *) say "usage: up PREFIX N [SUBNET] | shape PREFIX N RATE DELAY | rate PREFIX N RATE | head PREFIX CMD... | rsh NODE CMD... | kill NODE | down PREFIX N"; exit 2 ;;
 esac

@@ -38,6 +38,7 @@ COLUMNS = {
     },
     "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
+    "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
@@ -120,7 +121,7 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
 
     calls = []
 
-    def mpirun(ranks, args, timeout, env=None):
+    def mpirun(ranks, args, timeout, env=None, wrap=None):
         calls.append(args)
         code = outcomes[len(calls) - 1]
         if code:

@@ -139,6 +139,10 @@ CASES = {
             ("--weight-decay", "1e308", "--weight-decay must be at most 3.403e+38"),
             ("--lr-gamma", "1e308", "--lr-gamma must be at most 3.403e+38"),
             ("--target-accuracy", "1.5", "--target-accuracy must be a fraction in [0, 1] (0.99 for 99 %), got 1.5"),
+            ("--sync-every", "0", "--sync-every must be positive, got 0"),
+            ("--algorithm", "ssgd --outer-optimizer nesterov", "use --algorithm sma --outer-optimizer nesterov"),
+            ("--fragments", "5 --sync-every 5 --outer-optimizer sgd", "--fragments 5 exceeds the model's 4 parameter"),
+            ("--sync-delay", "2 --sync-every 4 --fragments 2 --outer-optimizer sgd", "--sync-delay 2 must be below"),
             *(
                 (
                     "--algorithm",

@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.flat import sum_rows
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
+
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""`--sync-dtype`s that cast the sync message for the wire (`fp32`: the message's own type)."""
 
 
 class Algorithm:
@@ -57,6 +61,8 @@ class Algorithm:
         """Each rank's learner weight in the sync message: 1, or b_r / max_q b_q when weighing by samples."""
         self.weight = 1.0
         """This rank's learner weight."""
+        self.comm_bytes = 0
+        """Bytes this rank sent in sync messages, by the ring allreduce's model: 2 (P − 1) / P of the payload."""
 
     def step(self, lr: float) -> None:
         """Apply one iteration's local update and synchronisation."""
@@ -129,16 +135,52 @@ class Algorithm:
             sum_rows(self.staged, out=self.message)
         return self.message
 
-    def allreduce_staged(self, scope: Communicator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def refuse_overflow(self, message: torch.Tensor, scope: Communicator) -> None:
+        """Raise ConfigError on every rank when a rank's first float16 message holds a value beyond float16's range,
+        naming the first tensor (collective)."""
+        beyond = (message[:-1].abs() > torch.finfo(torch.float16).max).nonzero()
+        first = [int(beyond[0]) if len(beyond) else -1]
+        found = [i for [i] in scope.allgather_json(first) if i >= 0]
+        if found:
+            layout = self.learners.layout
+            slots = (*layout.param_slots, *layout.buffer_slots)
+            slot = max((s for s in slots if s.offset <= min(found)), key=lambda s: s.offset)
+            raise ConfigError(
+                f"--sync-dtype fp16: {slot.module}.{slot.name} holds values beyond float16's range (65504) at the "
+                "first sync; use --sync-dtype bf16"
+            )
+
+    def staged_message(self, scope: Communicator, columns: slice | None = None) -> tuple[torch.Tensor, int]:
+        """Return the sync message (the staged rows' sum; with `columns`, only those columns of its first part) and
+        the length of its first part; a float16 wire refuses a first message beyond float16's range."""
+        num_params, message = self.learners.layout.num_params, self.sum_staged()
+        if self.hp.sync_dtype == "fp16" and scope.size > 1 and not self.comm_bytes:
+            self.refuse_overflow(message, scope)
+        if columns is not None:
+            message, num_params = torch.cat([message[columns], message[num_params:]]), columns.stop - columns.start
+        return message, num_params
+
+    def allreduce_staged(
+        self, scope: Communicator | None = None, columns: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce [sum of the staged rows' first parts | weighted sum of the learners' buffers | sum of their weights]
         as one message; return the first part and the summed weight of the learners the reduction carried (a
-        one-element tensor: the number of learners, when every weight is 1); over `scope`, default the transport.
+        one-element tensor: the number of learners, when every weight is 1); over `scope`, default the transport;
+        with `columns`, only those columns of the first part travel (a fragment).
 
         BatchNorm running statistics follow one rule for every algorithm: z's buffers become the weighted mean of
         the buffers of every learner the reduction carried (every learner of every rank, for a full allreduce).
         """
-        num_params, message = self.learners.layout.num_params, self.sum_staged()
-        (scope or self.transport).allreduce_sum_(message)
+        scope = scope or self.transport
+        message, num_params = self.staged_message(scope, columns)
+        wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
+        scope.allreduce_cast_(message, wire)
+        self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)
         return message[:num_params], carried
+
+
+def ring_bytes(ranks: int, payload: int) -> int:
+    """Bytes each rank sends in a ring allreduce of `payload` bytes over `ranks` ranks: 2 (P − 1) / P of it."""
+    return 2 * (ranks - 1) * payload // ranks

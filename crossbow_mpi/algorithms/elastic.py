@@ -16,6 +16,8 @@ At the round's end (every `--round-samples` samples), with u_i the local steps r
 The artifact's local steps are plain SGD and its momentum is at the merge: μ_l = 0, μ_z = `momentum`; with
 `local_momentum`, μ_l = `momentum` and μ_z = `merge_momentum`. (The artifact's merge-momentum kernel is not in
 its released code; SMA's step stands in for it.)
+With `--outer-optimizer nesterov|sgd` z takes the outer optimizer's step on Δ = z − m instead
+(crossbow_mpi.algorithms.outer; `sgd` with outer lr 1 and outer momentum μ_z is the step above).
 
 With `--adaptive-batch`, a faster rank's batches grow until the ranks make equal numbers of updates per round,
 as in the artifact. The model server only hands out the data: it holds no model.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from crossbow_mpi.algorithms.outer import outer_step
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.optimizers import clip_rows
@@ -78,10 +81,15 @@ class ElasticAveraging(RoundsAlgorithm):
             self.weight, unnormalised = weights[self.transport.data.rank], sum(steps) / sum(weights)
         torch.mul(learners.params, self.weight, out=self.staged_rows(slice(None)))
         merged, carried = self.allreduce_staged(self.transport.data)
-        dz = merged.div_(carried * unnormalised).sub_(central.params)  # with merge_l2: Σ_i p_i w_i, Σ p_i ≠ 1
-        dz.add_(central.u, alpha=hp.merge_momentum if hp.local_momentum else hp.momentum)
-        central.u.copy_(dz)
-        central.params.add_(dz)
+        merged.div_(carried * unnormalised)  # with merge_l2: Σ_i p_i w_i, Σ p_i ≠ 1
+        if hp.outer_optimizer != "central":
+            delta = torch.sub(central.params, merged)
+            outer_step(hp.outer_optimizer, delta, central.params, central.u, hp.outer_lr, hp.outer_momentum)
+        else:
+            dz = merged.sub_(central.params)
+            dz.add_(central.u, alpha=hp.merge_momentum if hp.local_momentum else hp.momentum)
+            central.u.copy_(dz)
+            central.params.add_(dz)
         learners.reset_to(central.z)
         self.round_steps = 0
         return position

@@ -42,6 +42,14 @@ class Communicator(ABC):
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         """Replace a contiguous tensor, in place, by its sum over the ranks; return it with its contribution count."""
 
+    def allreduce_cast_(self, tensor: torch.Tensor, dtype: torch.dtype) -> Reduction:
+        """`allreduce_sum_` with the payload cast to `dtype` for the wire and summed in float32 (MPI transports)."""
+        if dtype == tensor.dtype:
+            return self.allreduce_sum_(tensor)
+        from crossbow_mpi.config import ConfigError
+
+        raise ConfigError(f"--sync-dtype applies to --comm mpi: {type(self).__name__} sends the message's own type")
+
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Replace a contiguous tensor, in place, by root's copy."""

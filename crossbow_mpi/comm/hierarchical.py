@@ -45,13 +45,17 @@ class HierarchicalCommunicator(MpiCommunicator):
         return [self.mpi_comm, self.node.mpi_comm] + ([self.leaders.mpi_comm] if self.leaders is not None else [])
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
+        return self.allreduce_cast_(tensor, tensor.dtype)
+
+    def allreduce_cast_(self, tensor: torch.Tensor, dtype: torch.dtype) -> Reduction:
+        """The three phases, with only the leaders' (across nodes) payload cast to `dtype` for the wire."""
         MPI = self.mpi()
         with _host_view(tensor) as host:
             if self.node.size > 1:
                 leader = self.node.rank == 0
                 self.node.mpi_comm.Reduce(MPI.IN_PLACE if leader else host, host if leader else None, root=0)
             if self.leaders is not None and self.leaders.size > 1:
-                self.leaders.mpi_comm.Allreduce(MPI.IN_PLACE, host)
+                self.leaders.allreduce_cast_(torch.from_numpy(host), dtype)
             if self.node.size > 1:
                 self.node.mpi_comm.Bcast(host, root=0)
         return Reduction(tensor, self.size)

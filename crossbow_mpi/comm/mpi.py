@@ -20,11 +20,38 @@ class MpiCommunicator(Communicator):
                 self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
         return Reduction(tensor, self.size)
 
+    def allreduce_cast_(self, tensor: torch.Tensor, dtype: torch.dtype) -> Reduction:
+        """A ring allreduce's two halves with the payload in `dtype` on the wire: each rank receives every rank's
+        cast copy of its 1/P chunk (Alltoall), sums the copies in float32 in rank order, and the cast sums are
+        gathered (Allgather); every rank ends with the same bits."""
+        if dtype == tensor.dtype or self.size == 1:
+            return self.allreduce_sum_(tensor)
+        p, n = self.size, tensor.numel()
+        chunk = -(-n // p)
+        wire = torch.zeros(p * chunk, dtype=dtype)
+        wire[:n] = tensor.reshape(-1)
+        received = torch.empty_like(wire)
+        self.mpi_comm.Alltoall(_raw(wire), _raw(received))
+        own = received.view(p, chunk).float().sum(0).to(dtype)
+        self.mpi_comm.Allgather(_raw(own), _raw(wire))
+        tensor.copy_(wire[:n].view(tensor.shape))
+        return Reduction(tensor, self.size)
+
+    def iallreduce_sum_(self, tensor: torch.Tensor):
+        """Start replacing a contiguous host tensor by its sum over the ranks; return the MPI request."""
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
+        return self.mpi_comm.Iallreduce(self.mpi().IN_PLACE, tensor.numpy())
+
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:
             with _host_view(tensor) as host:
                 self.mpi_comm.Bcast(host, root=root)
         return tensor
+
+
+def _raw(tensor: torch.Tensor):
+    """A host tensor's bytes as a NumPy view (NumPy has no bfloat16)."""
+    return tensor.view(torch.uint8).numpy()
 
 
 class _host_view:

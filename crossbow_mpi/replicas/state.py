@@ -92,6 +92,22 @@ class HyperParams(_Serialised):
     """Samples per learner per step: one for every rank of the data scope, or one per rank."""
     central_momentum_always: bool = False
     """SMA: apply μ_z also when the learners' μ is 0 (CROSSBOW applies it only with learner momentum)."""
+    sync_every: int = 1
+    """SMA: local steps H between syncs."""
+    sync_every_node: int = 0
+    """SMA with `hierarchy` node: local steps between averagings within the node (0: none)."""
+    outer_optimizer: str = "central"
+    """SMA: what a sync does to z: `central` (SMA's step), `nesterov` or `sgd` (on the pseudo-gradient)."""
+    outer_lr: float = 0.7
+    """SMA: the outer optimizer's step size."""
+    outer_momentum: float = 0.9
+    """SMA: the outer optimizer's momentum."""
+    fragments: int = 1
+    """SMA with an outer optimizer: runs of parameter tensors synced in turn, each every `sync_every` steps."""
+    sync_delay: int = 0
+    """SMA with an outer optimizer: steps a sync's reduction overlaps the compute before it applies."""
+    sync_dtype: str = "fp32"
+    """SMA: the sync message's type on the wire (`fp32`, `bf16`, `fp16`); sums are taken in float32."""
     clip_grad_norm: float = 0.0
     """Largest L2 norm of a gradient an update takes (0: no clipping)."""
     local_momentum: bool = False

@@ -419,6 +419,7 @@ class Trainer:
             "memory_format": "channels_last" if run.layout.channels_last else "contiguous",
             "memory_bytes": self.topology.world.allgather_json(run.memory_bytes()),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
+            **({"comm_bytes": record["comm_bytes"]} if "comm_bytes" in record else {}),
             **(
                 {"optimizer_s": state.optimizer_s, "optimizer_share": state.optimizer_s / max(elapsed_s, 1e-9)}
                 if optimizes(self.config)

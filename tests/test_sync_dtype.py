@@ -1,0 +1,76 @@
+"""`--sync-dtype`: the sync message cast for the wire and summed in float32, flat and by node; `comm_bytes`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from crossbow_mpi import Trainer
+from crossbow_mpi.comm import MpiCommunicator
+from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
+from crossbow_mpi.config import ConfigError
+
+from helpers import datasets, mlp, mlp_bn, run_config
+from reference import relative_error
+
+
+def pairs(rank: int) -> int:
+    return rank // 2
+
+
+def everyone(comm, tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.frombuffer(bytearray(b), dtype=tensor.dtype) for b in comm.allgather_bytes(tensor.numpy().tobytes())]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 1001])
+def test_cast_sum_adds_the_cast_payloads_in_float32_and_every_rank_gets_the_same_bits(comm, dtype, numel):
+    mine = torch.randn(numel, generator=torch.Generator().manual_seed(comm.rank)) * 3
+    rows = everyone(comm, mine)
+    expected = torch.stack([row.to(dtype).float() for row in rows]).sum(0).to(dtype).float()
+    reduction = MpiCommunicator(comm.mpi_comm).allreduce_cast_(mine, dtype)
+    assert reduction.total is mine and torch.equal(mine, expected)
+    assert all(torch.equal(copy, mine) for copy in everyone(comm, mine))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_by_node_only_the_sum_across_nodes_is_cast(comm):
+    mine = torch.randn(999, generator=torch.Generator().manual_seed(comm.rank))
+    rows = everyone(comm, mine)
+    node_sums = [rows[r] + rows[r + 1] if r + 1 < comm.size else rows[r] for r in range(0, comm.size, 2)]
+    expected = torch.stack([s.bfloat16().float() for s in node_sums]).sum(0).bfloat16().float()
+    HierarchicalCommunicator(comm.mpi_comm, pairs).allreduce_cast_(mine, torch.bfloat16)
+    assert torch.equal(mine, expected)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("outer", ["central", "nesterov"])
+def test_bf16_syncs_halve_comm_bytes_and_stay_close_to_fp32(comm, shared_tmp, outer):
+    train, test = datasets(comm.size, 2)
+    results, records = {}, {}
+    for wire in ("fp32", "bf16"):
+        cfg = run_config(shared_tmp / wire, learners=2, sync_every=2, outer_optimizer=outer, sync_dtype=wire)
+        results[wire] = Trainer(cfg, comm).fit(mlp, train, test).central
+        if comm.rank == 0:
+            records[wire] = [json.loads(line) for line in (shared_tmp / wire / "run" / "metrics.jsonl").open()][-1]
+    assert 0 < relative_error(results["bf16"], results["fp32"]) < 1e-2
+    if comm.rank == 0:
+        assert records["fp32"]["comm_bytes"] == 2 * records["bf16"]["comm_bytes"] > 0
+
+
+def huge_running_var() -> nn.Module:
+    model = mlp_bn()
+    model[2].running_var.fill_(1e6)
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_refuses_a_model_beyond_its_range_naming_the_layer(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, learners=1, sync_dtype="fp16")
+    with pytest.raises(ConfigError, match=r"--sync-dtype fp16: 2\.running_var holds values beyond"):
+        Trainer(cfg, comm).fit(huge_running_var, train, test)
