@@ -121,7 +121,11 @@ class Config:
     lr: float = 0.01
     """Learning rate η; not scaled with the number of learners."""
     momentum: float = 0.9
-    """Momentum μ of each learner (SMA) or of the central model (S-SGD)."""
+    """Momentum μ of each learner (SMA) or of the central model (S-SGD). `omnivore` and `hogbatch`: the total
+    momentum; asynchrony over G groups adds about 1 − 1/G of its own, so the explicit momentum applied is
+    max(0, μ − (1 − 1/G)) (Omnivore, arXiv 1606.04487), unless `explicit_momentum`."""
+    explicit_momentum: bool = False
+    """`omnivore` and `hogbatch`: apply `momentum` as given, on top of the asynchrony's implicit momentum."""
     weight_decay: float = 0.0005
     """L2 coefficient λ added to every gradient."""
     alpha: float = 0.1

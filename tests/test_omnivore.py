@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from crossbow_mpi import Trainer
+from crossbow_mpi.algorithms.omnivore import explicit_momentum
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.control.omnivore_search import grid, group_counts
 from crossbow_mpi.training.checkpoint import list_checkpoints
@@ -260,3 +261,29 @@ def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_
             best = min(at_groups, key=lambda p: math.inf if p["score"] is None else p["score"])
             assert (best["momentum"] == 0 and groups > 1) == bool(probes), "g halves exactly when the best μ is 0"
             groups //= 2
+
+
+def test_the_explicit_momentum_is_what_remains_after_the_asynchrony_share():
+    assert explicit_momentum(0.9, 1) == 0.9 and explicit_momentum(0.9, 2) == pytest.approx(0.4)
+    assert explicit_momentum(0.9, 4) == pytest.approx(0.15) and explicit_momentum(0.5, 4) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args", [["--algorithm", "hogbatch"], ["--algorithm", "omnivore", "--groups", "4"]], ids=["hogbatch", "omnivore"]
+)
+def test_asynchronous_training_with_default_flags_does_not_diverge_at_four_ranks(tmp_path, args):
+    """Issue 32: with the explicit momentum 0.9 on top of asynchrony's 0.75 these diverged at iteration 1."""
+    run_dir = tmp_path / "run"
+    job = run_job(4, [*args, "--run-dir", str(run_dir), "--epochs", "0.05", "--learners", "1"], timeout=240)
+    assert job.returncode == 0, job.stderr
+    summary = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["explicit_momentum"] == pytest.approx(0.15) and summary["final_test_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_a_divergence_of_hogbatch_names_the_asynchrony_and_the_fix(tmp_path):
+    args = ["--algorithm", "hogbatch", "--explicit-momentum", "--lr", "0.1", "--learners", "1", "--epochs", "0.05"]
+    job = run_job(4, [*args, "--run-dir", str(tmp_path / "run")], timeout=240)
+    assert job.returncode != 0 and "training diverged" in job.stderr, job.stderr
+    assert "1 - 1/G" in job.stderr and "--explicit-momentum" in job.stderr and "lower --lr" in job.stderr

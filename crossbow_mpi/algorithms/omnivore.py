@@ -7,7 +7,8 @@ The P ranks form G groups of P/G consecutive ranks. Every step of group γ (cros
     at the server, applied to whatever z is then:  u ← μ u + (g + λ z);  z ← z − η u
     every learner of γ becomes the new z
 
-The momentum u is held with the central model on the server. z's BatchNorm buffers become the mean over the
+μ is the explicit momentum: `--momentum` less asynchrony's implicit 1 − 1/G (`explicit_momentum`), or as given with
+`--explicit-momentum`. The momentum u is held with the central model on the server. z's BatchNorm buffers become the mean over the
 group's learners, like S-SGD's over all. G = 1 is S-SGD, bit for bit; G = P is fully asynchronous. Groups meet,
 and every rank takes the server's z and u, only where the whole world meets: at evaluations, checkpoints and
 the end (`meet`). The loop runs in rounds of samples: within a round each group steps at its own pace on the
@@ -25,6 +26,12 @@ from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.state import HyperParams
 from crossbow_mpi.transports.model_server import ModelServer
+
+
+def explicit_momentum(total: float, groups: int) -> float:
+    """Return the explicit momentum that, beside the implicit momentum 1 − 1/G of G asynchronous groups, makes
+    `total` (Hadjis et al., arXiv 1606.04487; Mitliagkas et al., arXiv 1605.09774), with a floor of 0."""
+    return max(0.0, total - (1 - 1 / groups))
 
 
 class Omnivore(RoundsAlgorithm):

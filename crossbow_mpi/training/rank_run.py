@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
+from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config, ConfigError
@@ -108,6 +109,8 @@ class Run:
         self.config = dataclasses.replace(config, eager_mode="majority") if auto else config
         """What the transports are built from (`--algorithm auto` probes eager-SGD in its majority mode)."""
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
+        if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
+            self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)

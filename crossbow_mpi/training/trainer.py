@@ -292,6 +292,7 @@ class Trainer:
             "world_size": self.topology.world.size,
             "hierarchy": run.algorithm.transport.hierarchy,
             "algorithm": run.algorithm.name,
+            "explicit_momentum": run.hp.momentum,
             "threads_per_rank": self.threads,
             "device": str(self.device),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
