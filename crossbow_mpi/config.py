@@ -145,7 +145,8 @@ class Config:
     """eager-SGD: run a fully synchronous round at least every this many rounds (bounds staleness)."""
     groups: int | str = 1
     """Omnivore: compute groups of P/G consecutive ranks each (G must divide the ranks P); a group steps
-    synchronously, the groups update the central model asynchronously. 1: S-SGD; P: fully asynchronous. `auto`:
+    synchronously, the groups update the central model asynchronously; an int `batch_size` is a group step's
+    batch, split over the group's ranks. 1: S-SGD; P: fully asynchronous. `auto`:
     Omnivore's optimizer picks the groups, momentum and learning rate from timed probes before training."""
     probe_seconds: float = 30.0
     """With `--groups auto` or `--algorithm auto`: seconds of training per optimizer probe."""

@@ -6,14 +6,16 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import h5py
 import pytest
 import torch
 
 from crossbow_mpi import Trainer
-from crossbow_mpi.algorithms.omnivore import explicit_momentum
+from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.comm.base import wait_sleeping
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.control.omnivore_search import grid, group_counts
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
@@ -47,6 +49,7 @@ def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners, round_steps):
         cfg = run_config(
             shared_tmp / algorithm,
             algorithm=algorithm,
+            batch_size=BATCH * comm.size if algorithm == "omnivore" else BATCH,  # the group's batch
             learners=learners,
             eval_every=40,
             comm="mpi",
@@ -170,8 +173,9 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     if comm.rank == 0:
         with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
             algorithm = json.loads(f["train"].attrs["algorithm"])
-        updates = [3 * STEPS] if groups == 1 else [STEPS]  # the counts start afresh with other groups
-        assert algorithm == {"version": 2 * groups * STEPS + STEPS, "updates": updates}
+        # the counts start afresh with other groups; one group of P ranks takes P steps of its fixed batch a round
+        updates = [3 * STEPS] if groups == 1 else [STEPS * comm.size]
+        assert algorithm == {"version": 2 * groups * STEPS + STEPS * comm.size, "updates": updates}
 
 
 @pytest.mark.slow
@@ -281,9 +285,25 @@ def test_asynchronous_training_with_default_flags_does_not_diverge_at_four_ranks
     assert summary["explicit_momentum"] == pytest.approx(0.15) and summary["final_test_accuracy"] > 0.5
 
 
-@pytest.mark.slow
-def test_a_divergence_of_hogbatch_names_the_asynchrony_and_the_fix(tmp_path):
-    args = ["--algorithm", "hogbatch", "--explicit-momentum", "--lr", "0.1", "--learners", "1", "--epochs", "0.05"]
-    job = run_job(4, [*args, "--run-dir", str(tmp_path / "run")], timeout=240)
-    assert job.returncode != 0 and "training diverged" in job.stderr, job.stderr
-    assert "1 - 1/G" in job.stderr and "--explicit-momentum" in job.stderr and "lower --lr" in job.stderr
+def test_the_group_batch_is_split_over_the_group_and_a_too_small_one_is_refused():
+    def split(batch_size, groups, size):
+        transport = SimpleNamespace(group=SimpleNamespace(size=size), groups=groups)
+        return Omnivore.batch_sizes(SimpleNamespace(transport=transport), batch_size)
+
+    assert split(16, 1, 4) == (4,) * 4 and split(16, 4, 1) == (16,) * 4 and split(5, 2, 2) == (3, 2, 3, 2)
+    assert split((3, 5), 2, 1) == (3, 5), "per-rank sizes as given"
+    with pytest.raises(ConfigError, match="--batch-size 3 is the batch of a compute group, split over its 4 ranks"):
+        split(3, 1, 4)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_group_step_takes_the_same_batch_whatever_the_groups(comm, shared_tmp):
+    """The artifact's fixed group batch: G groups take G times more steps of `--batch-size` samples, not larger ones."""
+    train, test = datasets(comm.size, 1)
+    for groups in divisors(comm.size):
+        run_dir = shared_tmp / f"g{groups}"
+        cfg = run_config(run_dir, algorithm="omnivore", groups=groups, learners=1, batch_size=BATCH * comm.size)
+        result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+        [record] = evaluation_records(comm, run_dir / "run")
+        assert sum(record["async_updates"]) * BATCH * comm.size == record["samples"] == len(train)
+        assert torch.isfinite(result.central).all()

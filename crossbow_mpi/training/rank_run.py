@@ -111,6 +111,8 @@ class Run:
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
         if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
             self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
+        if isinstance(self.algorithm, RoundsAlgorithm):
+            self.algorithm.batch_sizes(self.hp.batch_size)  # refuses a group batch that does not split evenly
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
@@ -179,7 +181,7 @@ class Run:
     def _train_round(self, lr: float) -> Step:
         started, algorithm = time.perf_counter(), self.algorithm
         assert isinstance(algorithm, RoundsAlgorithm)
-        state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
+        state, k, batch_sizes = self.state, self.learners.k, algorithm.batch_sizes(self.hp.batch_size)
         size = self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes)
         left = math.ceil((self.config.epochs - self.epoch_progress) * self.num_samples)  # --epochs bounds a round too
         end = state.offset + max(1, min(size, left))
