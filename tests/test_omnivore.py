@@ -16,7 +16,7 @@ from crossbow_mpi import Trainer
 from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.config import ConfigError
-from crossbow_mpi.control.omnivore_search import grid, group_counts
+from crossbow_mpi.control.omnivore_search import OmnivoreOptimizer, dominates, grid, group_counts, preferred
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.rank_run import ROUND_STEPS
@@ -229,7 +229,8 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
         (1, 0.9, factor * cfg.lr) for factor in (10, 1, 0.1, 0.01)
     ]
     assert {p["groups"] for p in probes} <= set(group_counts(comm.size)) and choice["probes"] == len(probes)
-    best = min(probes, key=lambda p: math.inf if p["score"] is None else p["score"])
+    selectable = [p for p in probes if p["groups"] not in choice["excluded_groups"]]
+    best = min(selectable, key=lambda p: math.inf if p["score"] is None else p["score"])
     assert {k: choice[k] for k in ("groups", "momentum", "lr", "score")} == {
         k: best[k] for k in ("groups", "momentum", "lr", "score")
     }
@@ -256,15 +257,17 @@ def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_
     for before, after in itertools.pairwise(decisions):
         current, probes, decision = records[before], records[before + 1 : after], records[after]
         assert decision["probes"] == len(probes)
-        groups, lr = current["groups"], current["lr"]
-        while probes:
-            at_groups, probes = probes[:8], probes[8:]
-            assert {(p["groups"], p["momentum"], p["lr"]) for p in at_groups} == {
-                (groups, m, rate) for m in (0.0, 0.3, 0.6, 0.9) for rate in (lr, lr / 10)
-            }
-            best = min(at_groups, key=lambda p: math.inf if p["score"] is None else p["score"])
-            assert (best["momentum"] == 0 and groups > 1) == bool(probes), "g halves exactly when the best μ is 0"
-            groups //= 2
+        groups, momentum, lr = current["groups"], current["momentum"], current["lr"]
+        points = [(groups, m, rate) for m, rate in grid(momentum, lr, [])]
+        assert [(p["groups"], p["momentum"], p["lr"]) for p in probes] == points[: len(probes)]
+        diverged = [(p["momentum"], p["lr"]) for p in probes if p["score"] is None]
+        assert {point for point in points if not dominates(point[1:], diverged)} <= {
+            (p["groups"], p["momentum"], p["lr"]) for p in probes
+        }, "the pruned grid, less what dominates a diverged probe"
+        best = preferred([{**p, "score": math.inf if p["score"] is None else p["score"]} for p in probes], 1.01)
+        halves = best["momentum"] == 0 and groups > 1
+        assert decision["halved"] == halves and decision["groups"] == (groups // 2 if halves else groups)
+        assert decision["momentum"] == (0.6 if halves else best["momentum"]) and decision["lr"] == best["lr"]
 
 
 def test_the_explicit_momentum_is_what_remains_after_the_asynchrony_share():
@@ -307,3 +310,41 @@ def test_every_group_step_takes_the_same_batch_whatever_the_groups(comm, shared_
         [record] = evaluation_records(comm, run_dir / "run")
         assert sum(record["async_updates"]) * BATCH * comm.size == record["samples"] == len(train)
         assert torch.isfinite(result.central).all()
+
+
+class FakeSearch(OmnivoreOptimizer):
+    """The optimizer's rules over a table of probe scores {(g, μ, η): score} (5 elsewhere) and seconds per sample
+    {g: seconds} (1 elsewhere)."""
+
+    def __init__(self, world_size, results, speeds=(), groups=1, momentum=0.9, lr=0.1):
+        self.results, self.speeds, self.auto, self.probes, self.excluded = results, dict(speeds), False, [], set()
+        self.config, self.world = SimpleNamespace(lr=0.1), SimpleNamespace(size=world_size)
+        hp = SimpleNamespace(momentum=momentum, lr=lr)
+        self.run = SimpleNamespace(algorithm=SimpleNamespace(name="omnivore"), choice={"groups": groups}, hp=hp)
+
+    def probe(self, snapshot, algorithm, groups, momentum, lr):
+        score = self.results.get((groups, momentum, lr), 5.0)
+        record = {"algorithm": algorithm, "groups": groups, "momentum": momentum, "lr": lr, "score": score}
+        self.probes.append({**record, "s_per_sample": self.speeds.get(groups, 1.0)})
+        return self.probes[-1]
+
+
+def test_the_cold_start_stops_at_the_first_probe_that_misses_the_speedup_and_never_chooses_its_groups():
+    search = FakeSearch(4, {(1, 0.9, 0.1): 2.0, (2, 0.9, 0.1): 1.5, (4, 0.9, 0.1): 0.1}, {2: 0.8, 4: 0.75})
+    search.buffer = 1.0
+    search._cold_start({})
+    at_four = [p for p in search.probes if p["groups"] == 4]
+    assert len(at_four) == 1 and search.excluded == {4}, "stopped at the first g = 4 probe: 0.75 > 0.9 × 0.8"
+    assert (search.best()["groups"], search.best()["score"]) == (2, 1.5)
+
+
+def test_the_steady_state_probes_five_points_prefers_larger_within_one_percent_and_halves_at_zero_momentum():
+    near = FakeSearch(4, {(4, 0.0, 0.1): 1.0, (4, 0.3, 0.1): 1.005}, groups=4, momentum=0.6)
+    near.buffer = 1.01
+    assert near._around_current({}) is None and len(near.probes) == 5
+    assert (near.best()["momentum"], near.best()["lr"]) == (0.3, 0.1), "within the 1.01 buffer, the larger μ"
+    zero = FakeSearch(4, {(4, 0.0, 0.1): 1.0}, groups=4, momentum=0.6)
+    zero.buffer = 1.01
+    halved = zero._around_current({})
+    assert halved is not None and (halved["groups"], halved["momentum"], halved["lr"]) == (2, 0.6, 0.1)
+    assert preferred([{"lr": 0.1, "momentum": 0.9, "score": math.inf}], 1.01)["score"] == math.inf
