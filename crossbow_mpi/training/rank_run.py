@@ -112,7 +112,7 @@ class Run:
         if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
             self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
         if isinstance(self.algorithm, RoundsAlgorithm):
-            self.algorithm.batch_sizes(self.hp.batch_size)  # refuses a group batch that does not split evenly
+            self.algorithm.batch_sizes(self.hp.batch_size)  # refuses a group batch below the group's ranks
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype)
@@ -161,7 +161,10 @@ class Run:
 
     def step_fits(self) -> bool:
         """Tell whether the next global step fits in the current epoch."""
-        return self.sampler.fits(self.state.offset, self.learners.k, self.hp.batch_size)
+        sizes = self.hp.batch_size
+        if isinstance(self.algorithm, RoundsAlgorithm):
+            sizes = self.algorithm.batch_sizes(sizes)  # Omnivore's group batch, split over the group's ranks
+        return self.sampler.fits(self.state.offset, self.learners.k, sizes)
 
     def train_step(self, lr: float) -> Step:
         """Take one global step: batches → gradients → each learner's local update → sync. An asynchronous
