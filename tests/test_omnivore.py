@@ -6,14 +6,17 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import h5py
 import pytest
 import torch
 
 from crossbow_mpi import Trainer
+from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.comm.base import wait_sleeping
-from crossbow_mpi.control.omnivore_search import grid, group_counts
+from crossbow_mpi.config import ConfigError
+from crossbow_mpi.control.omnivore_search import OmnivoreOptimizer, dominates, grid, group_counts, preferred
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.rank_run import ROUND_STEPS
@@ -46,6 +49,7 @@ def test_one_group_is_ssgd_bit_for_bit(comm, shared_tmp, learners, round_steps):
         cfg = run_config(
             shared_tmp / algorithm,
             algorithm=algorithm,
+            batch_size=BATCH * comm.size if algorithm == "omnivore" else BATCH,  # the group's batch
             learners=learners,
             eval_every=40,
             comm="mpi",
@@ -162,15 +166,20 @@ def test_checkpoints_hold_the_server_state_and_training_continues(comm, shared_t
     assert continued.iterations == 2 * STEPS
     assert torch.isfinite(continued.central).all() and not torch.equal(continued.central, first.central)
 
+    regroup = max(1, comm.size // 2)  # the group batch of 4 splits into 2 or more per rank (BatchNorm needs 2)
     regrouped = run_config(
-        shared_tmp, algorithm="omnivore", groups=1, learners=2, epochs=3, resume=True, round_samples=every_step
+        shared_tmp, algorithm="omnivore", groups=regroup, learners=2, epochs=3, resume=True, round_samples=every_step
     )
     assert Trainer(regrouped, comm).fit(mlp_bn, train, test).iterations == 3 * STEPS
     if comm.rank == 0:
         with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
             algorithm = json.loads(f["train"].attrs["algorithm"])
-        updates = [3 * STEPS] if groups == 1 else [STEPS]  # the counts start afresh with other groups
-        assert algorithm == {"version": 2 * groups * STEPS + STEPS, "updates": updates}
+        # the counts start afresh with other groups; the groups take P steps of their fixed batch a round in all
+        if groups == regroup:
+            assert algorithm == {"version": 3 * STEPS, "updates": [3 * STEPS]}
+        else:
+            assert algorithm["version"] == 2 * groups * STEPS + STEPS * comm.size
+            assert len(algorithm["updates"]) == regroup and sum(algorithm["updates"]) == STEPS * comm.size
 
 
 @pytest.mark.slow
@@ -207,7 +216,8 @@ def test_the_optimizer_grid_is_pruned_as_the_artifact_does():
 def auto_run(comm, shared_tmp, **overrides) -> tuple:
     """Train with `--groups auto`; return the result, the config and every metrics record."""
     train, test = datasets(comm.size, 1)
-    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, **overrides)
+    batch = max(BATCH, 2 * comm.size)  # the group's batch: 2 or more per rank at g = 1 (BatchNorm needs 2)
+    cfg = run_config(shared_tmp, algorithm="omnivore", groups="auto", learners=1, batch_size=batch, **overrides)
     result = Trainer(cfg, comm).fit(mlp_bn, train, test)
     return result, cfg, metrics_records(comm, shared_tmp / "run")
 
@@ -224,7 +234,8 @@ def test_groups_auto_probes_from_one_snapshot_then_trains_with_the_best(comm, sh
         (1, 0.9, factor * cfg.lr) for factor in (10, 1, 0.1, 0.01)
     ]
     assert {p["groups"] for p in probes} <= set(group_counts(comm.size)) and choice["probes"] == len(probes)
-    best = min(probes, key=lambda p: math.inf if p["score"] is None else p["score"])
+    selectable = [p for p in probes if p["groups"] not in choice["excluded_groups"]]
+    best = min(selectable, key=lambda p: math.inf if p["score"] is None else p["score"])
     assert {k: choice[k] for k in ("groups", "momentum", "lr", "score")} == {
         k: best[k] for k in ("groups", "momentum", "lr", "score")
     }
@@ -251,12 +262,94 @@ def test_the_optimizer_searches_again_around_the_current_groups_every_optimizer_
     for before, after in itertools.pairwise(decisions):
         current, probes, decision = records[before], records[before + 1 : after], records[after]
         assert decision["probes"] == len(probes)
-        groups, lr = current["groups"], current["lr"]
-        while probes:
-            at_groups, probes = probes[:8], probes[8:]
-            assert {(p["groups"], p["momentum"], p["lr"]) for p in at_groups} == {
-                (groups, m, rate) for m in (0.0, 0.3, 0.6, 0.9) for rate in (lr, lr / 10)
-            }
-            best = min(at_groups, key=lambda p: math.inf if p["score"] is None else p["score"])
-            assert (best["momentum"] == 0 and groups > 1) == bool(probes), "g halves exactly when the best μ is 0"
-            groups //= 2
+        groups, momentum, lr = current["groups"], current["momentum"], current["lr"]
+        points = [(groups, m, rate) for m, rate in grid(momentum, lr, [])]
+        assert [(p["groups"], p["momentum"], p["lr"]) for p in probes] == points[: len(probes)]
+        diverged = [(p["momentum"], p["lr"]) for p in probes if p["score"] is None]
+        assert {point for point in points if not dominates(point[1:], diverged)} <= {
+            (p["groups"], p["momentum"], p["lr"]) for p in probes
+        }, "the pruned grid, less what dominates a diverged probe"
+        best = preferred([{**p, "score": math.inf if p["score"] is None else p["score"]} for p in probes], 1.01)
+        halves = best["momentum"] == 0 and groups > 1
+        assert decision["halved"] == halves and decision["groups"] == (groups // 2 if halves else groups)
+        assert decision["momentum"] == (0.6 if halves else best["momentum"]) and decision["lr"] == best["lr"]
+
+
+def test_the_explicit_momentum_is_what_remains_after_the_asynchrony_share():
+    assert explicit_momentum(0.9, 1) == 0.9 and explicit_momentum(0.9, 2) == pytest.approx(0.4)
+    assert explicit_momentum(0.9, 4) == pytest.approx(0.15) and explicit_momentum(0.5, 4) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args", [["--algorithm", "hogbatch"], ["--algorithm", "omnivore", "--groups", "4"]], ids=["hogbatch", "omnivore"]
+)
+def test_asynchronous_training_with_default_flags_does_not_diverge_at_four_ranks(tmp_path, args):
+    """Issue 32: with the explicit momentum 0.9 on top of asynchrony's 0.75 these diverged at iteration 1."""
+    run_dir = tmp_path / "run"
+    job = run_job(4, [*args, "--run-dir", str(run_dir), "--epochs", "0.05", "--learners", "1"], timeout=240)
+    assert job.returncode == 0, job.stderr
+    summary = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["explicit_momentum"] == pytest.approx(0.15) and summary["final_test_accuracy"] > 0.5
+
+
+def test_the_group_batch_is_split_over_the_group_and_a_too_small_one_is_refused():
+    def split(batch_size, groups, size):
+        transport = SimpleNamespace(group=SimpleNamespace(size=size), groups=groups)
+        return Omnivore.batch_sizes(SimpleNamespace(transport=transport), batch_size)
+
+    assert split(16, 1, 4) == (4,) * 4 and split(16, 4, 1) == (16,) * 4 and split(5, 2, 2) == (3, 2, 3, 2)
+    assert split((3, 5), 2, 1) == (3, 5), "per-rank sizes as given"
+    with pytest.raises(ConfigError, match="--batch-size 3 is the batch of a compute group, split over its 4 ranks"):
+        split(3, 1, 4)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_every_group_step_takes_the_same_batch_whatever_the_groups(comm, shared_tmp):
+    """The artifact's fixed group batch: G groups take G times more steps of `--batch-size` samples, not larger ones."""
+    train, test = datasets(comm.size, 1)
+    for groups in divisors(comm.size):
+        run_dir = shared_tmp / f"g{groups}"
+        cfg = run_config(run_dir, algorithm="omnivore", groups=groups, learners=1, batch_size=BATCH * comm.size)
+        result = Trainer(cfg, comm).fit(mlp_bn, train, test)
+        [record] = evaluation_records(comm, run_dir / "run")
+        assert sum(record["async_updates"]) * BATCH * comm.size == record["samples"] == len(train)
+        assert torch.isfinite(result.central).all()
+
+
+class FakeSearch(OmnivoreOptimizer):
+    """The optimizer's rules over a table of probe scores {(g, μ, η): score} (5 elsewhere) and seconds per sample
+    {g: seconds} (1 elsewhere)."""
+
+    def __init__(self, world_size, results, speeds=(), groups=1, momentum=0.9, lr=0.1):
+        self.results, self.speeds, self.auto, self.probes, self.excluded = results, dict(speeds), False, [], set()
+        self.config, self.world = SimpleNamespace(lr=0.1), SimpleNamespace(size=world_size)
+        hp = SimpleNamespace(momentum=momentum, lr=lr)
+        self.run = SimpleNamespace(algorithm=SimpleNamespace(name="omnivore"), choice={"groups": groups}, hp=hp)
+
+    def probe(self, snapshot, algorithm, groups, momentum, lr):
+        score = self.results.get((groups, momentum, lr), 5.0)
+        record = {"algorithm": algorithm, "groups": groups, "momentum": momentum, "lr": lr, "score": score}
+        self.probes.append({**record, "s_per_sample": self.speeds.get(groups, 1.0)})
+        return self.probes[-1]
+
+
+def test_the_cold_start_stops_at_the_first_probe_that_misses_the_speedup_and_never_chooses_its_groups():
+    search = FakeSearch(4, {(1, 0.9, 0.1): 2.0, (2, 0.9, 0.1): 1.5, (4, 0.9, 0.1): 0.1}, {2: 0.8, 4: 0.75})
+    search.buffer = 1.0
+    search._cold_start({})
+    at_four = [p for p in search.probes if p["groups"] == 4]
+    assert len(at_four) == 1 and search.excluded == {4}, "stopped at the first g = 4 probe: 0.75 > 0.9 × 0.8"
+    assert (search.best()["groups"], search.best()["score"]) == (2, 1.5)
+
+
+def test_the_steady_state_probes_five_points_prefers_larger_within_one_percent_and_halves_at_zero_momentum():
+    near = FakeSearch(4, {(4, 0.0, 0.1): 1.0, (4, 0.3, 0.1): 1.005}, groups=4, momentum=0.6)
+    near.buffer = 1.01
+    assert near._around_current({}) is None and len(near.probes) == 5
+    assert (near.best()["momentum"], near.best()["lr"]) == (0.3, 0.1), "within the 1.01 buffer, the larger μ"
+    zero = FakeSearch(4, {(4, 0.0, 0.1): 1.0}, groups=4, momentum=0.6)
+    zero.buffer = 1.01
+    halved = zero._around_current({})
+    assert halved is not None and (halved["groups"], halved["momentum"], halved["lr"]) == (2, 0.6, 0.1)
+    assert preferred([{"lr": 0.1, "momentum": 0.9, "score": math.inf}], 1.01)["score"] == math.inf

@@ -32,6 +32,11 @@ class RoundsAlgorithm(Algorithm):
         self.group_step = group_steps[self.transport.group_index]
         return self.transport.begin_round(offset, end, limit, group_steps)
 
+    def batch_sizes(self, batch_size: int | tuple[int, ...]) -> tuple[int, ...]:
+        """Return every rank's batch size (of `--batch-size`, one for every rank or one per rank)."""
+        size = self.transport.data.size
+        return (batch_size,) * size if isinstance(batch_size, int) else tuple(batch_size)
+
     def group_batch_sizes(self, batch_sizes: tuple[int, ...]) -> tuple[int, ...]:
         """Return the batch sizes of this group's ranks."""
         size, index = self.transport.group.size, self.transport.group_index

@@ -1,18 +1,20 @@
 """Omnivore's optimizer (`--groups auto`): pick the compute groups g, momentum μ and learning rate η from timed
-probes before training, following the released artifact's cold start:
+probes before training, following the released artifact (HazyResearch/Omnivore `omnivore.py`):
 
 1. g = 1 with μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr`;
 2. then g doubled while it divides the ranks: μ ∈ {0, .3, .6, .9} × η ∈ {η*, η*/10} around the previous g's best, pruned
    as the artifact does (no larger μ at η*, no smaller μ at η*/10, nothing that dominates a diverged point);
-3. stop adding groups when a g is less than 10 % faster per iteration than the previous one;
-4. train with the (g, μ, η) of the lowest score;
-5. every `--optimizer-epoch` seconds of training, search again: μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} at the current
-   g, and at g/2 while the best μ is 0 (asynchrony already gives the momentum).
+3. stop at the first probe of a g that is less than 10 % faster per sample than the previous g's fastest: that g
+   is not chosen;
+4. train with the (g, μ, η) of the lowest score (ties: exact);
+5. every `--optimizer-epoch` seconds of training, search again: the same pruned grid (5 probes) around the current
+   (μ, η) at the current g, preferring a larger (η, μ) whose score is within 1 % of the best (the artifact's 1.01
+   buffer); when the best μ there is 0 (asynchrony already gives the momentum), train at g/2 with μ = 0.6.
 
 With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `ssgd`, `eager` (majority) and
 `omnivore`:
 
-1. the cold start above with `ssgd` as g = 1 (Omnivore's g = 1 is S-SGD bit for bit) and `omnivore` for g > 1;
+1. the cold start above with `ssgd` as g = 1 (Omnivore's g = 1 is S-SGD) and `omnivore` for g > 1;
 2. `sma` with μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr` (its learners' momentum and learning rate);
 3. `eager` on the pruned grid of the first list's step 2, around S-SGD's best (stale rounds act like asynchrony);
 4. train with the (algorithm, g, μ, η) of the lowest score: about 4 + 4 + 5 probes, and 5 per g > 1;
@@ -24,10 +26,12 @@ With one rank eager-SGD and Omnivore are S-SGD: only `sma` and `ssgd` are probed
 of ranks, for two groups or more). A switch of algorithm restarts the momenta at zero and every learner from z
 (`Run.load_state_dict`).
 
-Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in rounds of
-one global step; its score is the mean training loss over its last 10 steps (infinite when it diverged). Each
-probe and the choice is a metrics record `{"event": "optimizer"}` with its algorithm; the search's seconds count as
-training time, and the state's `optimizer_s` adds them up.
+Every probe starts from the same in-memory snapshot (`Run.state_dict`) and trains `--probe-seconds` in the
+training's own rounds (so the asynchronous groups' straggler tolerance counts in the timing), 6 iterations (steps,
+or rounds) or more; its score is the mean training loss over its last 10 iterations, or its second half when
+shorter (infinite when it diverged), its hardware efficiency the seconds per sample. Each probe and the choice is
+a metrics record `{"event": "optimizer"}` with its algorithm; the search's seconds count as training time, and
+the state's `optimizer_s` adds them up.
 
 The ranks vote before every probe step whether any received a stop signal: a stop ends the search there, with the
 run back at its snapshot and setting, and no choice; a resumed run searches again from the start (a cold start at
@@ -50,6 +54,10 @@ MOMENTA = (0.0, 0.3, 0.6, 0.9)
 SCORE_STEPS = 10
 TIMING_STEPS = 3
 MIN_SPEEDUP = 0.1
+COLD_BUFFER, STEADY_BUFFER = 1.0, 1.01
+"""The artifact's tie buffer: a probe of larger (η, μ) whose score is within this factor of the best wins."""
+RESET_MOMENTUM = 0.6
+"""The artifact's momentum at g/2 after a search whose best μ was 0."""
 AUTO_ALGORITHMS = ("sma", "ssgd", "eager", "omnivore")
 """What `--algorithm auto` chooses among."""
 
@@ -72,16 +80,30 @@ def group_counts(world_size: int) -> list[int]:
 
 
 def grid(best_momentum: float, best_lr: float, diverged: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Return the (μ, η) points to probe at a larger g, given the best so far and the points that diverged."""
+    """Return the (μ, η) points to probe around the best so far, less those that dominate a diverged point."""
     points = []
     for lr in (best_lr, best_lr / 10):
         for momentum in MOMENTA:
             if (lr == best_lr and momentum > best_momentum) or (lr < best_lr and momentum < best_momentum):
                 continue
-            if any(momentum >= m and lr >= r for m, r in diverged):
-                continue
-            points.append((momentum, lr))
+            if not dominates((momentum, lr), diverged):
+                points.append((momentum, lr))
     return points
+
+
+def dominates(point: tuple[float, float], diverged: list[tuple[float, float]]) -> bool:
+    """Tell whether (μ, η) is at least as large in both as a point that diverged."""
+    return any(point[0] >= m and point[1] >= r for m, r in diverged)
+
+
+def preferred(probes: list[dict], buffer: float) -> dict:
+    """Return the probe of the lowest score, or the one of the largest (η, μ) among those of no smaller η whose
+    score is within `buffer` times it (the artifact's tie-break toward larger hyper-parameters)."""
+    best = min(probes, key=lambda p: p["score"])
+    if not math.isfinite(best["score"]):
+        return best
+    close = [p for p in probes if p["lr"] >= best["lr"] and p["score"] <= best["score"] * buffer]
+    return max(close, key=lambda p: (p["lr"], p["momentum"]))
 
 
 class OmnivoreOptimizer:
@@ -100,33 +122,42 @@ class OmnivoreOptimizer:
         self.progress = progress
         self.auto = config.algorithm == "auto"
         self.probes: list[dict] = []
+        self.buffer = COLD_BUFFER
+        self.excluded: set[int] = set()
+        """Groups that missed the hardware-efficiency threshold in this search (not chosen)."""
         self.bests: dict[str, dict] = {}
         """With `--algorithm auto`: each algorithm's best probe of the last search."""
 
     def choose(self) -> dict | None:
         """Probe from cold, then leave the run at its snapshot with the best (algorithm, g, μ, η); return the choice's
         record (None: a stop signal ended the search)."""
-        return self._search("choice", self._cold_start_algorithms if self.auto else self._cold_start, count_time=True)
+        return self._search("choice", self._cold_start_algorithms if self.auto else self._cold_start, COLD_BUFFER)
 
     def retune(self) -> dict | None:
-        """Search μ ∈ {0, .3, .6, .9} × η ∈ {η, η/10} around the current g, halving g while the best μ there is 0
-        (with `--algorithm auto`, then every other algorithm at its last best); leave the run at its snapshot with
-        the best; return the record (None: a stop signal ended the search)."""
-        return self._search("retune", self._recheck if self.auto else self._around_current, count_time=False)
+        """Search the pruned grid around the current (g, μ, η), choosing g/2 with μ = 0.6 when the best μ is 0 (with
+        `--algorithm auto`, then every other algorithm at its last best); leave the run at its snapshot with the
+        choice; return the record (None: a stop signal ended the search)."""
+        return self._search("retune", self._recheck if self.auto else self._around_current, STEADY_BUFFER)
 
     def _cold_start(self, snapshot: dict, first: str = "omnivore") -> None:
-        """Probe the cold start's learning rates at g = 1 with algorithm `first`, then Omnivore's larger g."""
+        """Probe the cold start's learning rates at g = 1 with algorithm `first`, then Omnivore's larger g until the
+        first probe that is not 10 % faster per sample than the previous g."""
         for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
             self.probe(snapshot, first, 1, COLD_MOMENTUM, lr)
-        previous = min(p["s_per_iteration"] for p in self.probes)
+        previous = min(p["s_per_sample"] for p in self.probes)
         for groups in group_counts(self.world.size)[1:]:
             best = self.best(groups=groups // 2)
-            for momentum, lr in grid(best["momentum"], best["lr"], self.diverged()):
-                self.probe(snapshot, "omnivore", groups, momentum, lr)
-            measured = [p["s_per_iteration"] for p in self.probes if p["groups"] == groups]
-            if not measured or min(measured) > (1 - MIN_SPEEDUP) * previous:
-                break
-            previous = min(measured)
+            for point in self.pruned(best["momentum"], best["lr"]):
+                if self.probe(snapshot, "omnivore", groups, *point)["s_per_sample"] > (1 - MIN_SPEEDUP) * previous:
+                    self.excluded.add(groups)
+                    return
+            previous = min(p["s_per_sample"] for p in self.probes if p["groups"] == groups)
+
+    def pruned(self, momentum: float, lr: float):
+        """Yield the pruned grid around (μ, η), skipping each point that dominates one diverged so far."""
+        for point in grid(momentum, lr, []):
+            if not dominates(point, self.diverged()):
+                yield point
 
     def _cold_start_algorithms(self, snapshot: dict) -> None:
         """S-SGD's learning rates and Omnivore's groups, then SMA's learning rates and eager-SGD's grid around
@@ -136,29 +167,32 @@ class OmnivoreOptimizer:
             self.probe(snapshot, "sma", 1, COLD_MOMENTUM, lr)
         if "eager" in self.candidates():
             best = self.best(algorithm="ssgd")
-            for momentum, lr in grid(best["momentum"], best["lr"], self.diverged()):
-                self.probe(snapshot, "eager", 1, momentum, lr)
+            for point in self.pruned(best["momentum"], best["lr"]):
+                self.probe(snapshot, "eager", 1, *point)
 
-    def _around_current(self, snapshot: dict) -> None:
-        algorithm, groups, lr = self.run.algorithm.name, self.run.choice["groups"], self.run.hp.lr
+    def _around_current(self, snapshot: dict) -> dict | None:
+        """Probe the pruned grid around the current (μ, η) at the current g; return the choice when its best μ is 0
+        and g can halve: g/2 with μ = 0.6 and the best η (None: the best probe is the choice)."""
+        algorithm, groups, hp = self.run.algorithm.name, self.run.choice["groups"], self.run.hp
+        for point in self.pruned(hp.momentum, hp.lr):
+            self.probe(snapshot, algorithm, groups, *point)
+        best = self.best(algorithm=algorithm, groups=groups)
         fewest = 2 if self.auto else 1  # with `--algorithm auto`, g = 1 is the `ssgd` probe
-        while True:
-            for momentum in MOMENTA:
-                for rate in (lr, lr / 10):
-                    self.probe(snapshot, algorithm, groups, momentum, rate)
-            if self.best(algorithm=algorithm, groups=groups)["momentum"] > 0 or groups <= fewest:
-                return
-            groups //= 2
+        if algorithm == "omnivore" and best["momentum"] == 0 and groups > fewest:
+            return {**best, "groups": groups // 2, "momentum": RESET_MOMENTUM}
+        return None
 
-    def _recheck(self, snapshot: dict) -> None:
-        """The current algorithm's search around its setting, then every other algorithm at its last best."""
+    def _recheck(self, snapshot: dict) -> dict | None:
+        """The current algorithm's search around its setting, then every other algorithm at its last best; the
+        halving stands when the current algorithm's best is still the best."""
         current, hp = self.run.algorithm.name, self.run.hp
-        self._around_current(snapshot)
+        halved = self._around_current(snapshot)
         for algorithm in self.candidates():
             if algorithm != current:
                 fallback = {"groups": 2 if algorithm == "omnivore" else 1, "momentum": hp.momentum, "lr": hp.lr}
                 last = self.bests.get(algorithm, fallback)
                 self.probe(snapshot, algorithm, last["groups"], last["momentum"], last["lr"])
+        return halved if halved is not None and self.best()["algorithm"] == current else None
 
     def candidates(self) -> list[str]:
         """Return the algorithms `--algorithm auto` probes: eager-SGD needs two ranks (with one it is S-SGD), Omnivore
@@ -166,39 +200,38 @@ class OmnivoreOptimizer:
         fits = {"eager": self.world.size > 1, "omnivore": self.world.size % 2 == 0}
         return [name for name in AUTO_ALGORITHMS if fits.get(name, True)]
 
-    def _search(self, decision: str, search: Callable[[dict], None], count_time: bool) -> dict | None:
-        """Run `search` from a snapshot of the run, in rounds of one global step, then restore the snapshot with the
-        best probe's (algorithm, g, μ, η) and record the decision; on a stop signal, restore it as it was and return
-        None (collective)."""
+    def _search(self, decision: str, search: Callable[[dict], dict | None], buffer: float) -> dict | None:
+        """Run `search` from a snapshot of the run, then restore the snapshot with the (algorithm, g, μ, η) it
+        returns or else the best probe's, and record the decision; on a stop signal, restore it as it was and
+        return None (collective)."""
         run, started = self.run, time.perf_counter()
         run.settle()
         run.algorithm.drain()
         snapshot, before = run.state_dict(), run.choice
-        round_samples, run.round_samples = run.round_samples, run.sampler.step_size(run.learners.k, run.hp.batch_size)
-        self.probes = []
+        self.probes, self.buffer, self.excluded = [], buffer, set()
         try:
-            search(snapshot)
+            chosen = search(snapshot)
         except SearchStopped:
             run.settle()
             run.algorithm.drain()
             run.switch_algorithm(before["algorithm"], before["groups"])
             run.load_state_dict(snapshot)
-            run.round_samples = round_samples
             self.progress.note(f"optimizer ({decision}): stopped by a signal after {len(self.probes)} probes")
             return None
-        choice = self.best()
+        choice = chosen or self.best()
         self.bests.update({p["algorithm"]: self.best(algorithm=p["algorithm"]) for p in self.probes})
         self.start_from(snapshot, choice["algorithm"], choice["groups"], choice["momentum"], choice["lr"])
-        run.round_samples = round_samples
         seconds = self.world.bcast_json(time.perf_counter() - started)
         run.state.optimizer_s += seconds
-        if count_time:  # before the loop's clock starts; a re-tune inside the loop is on its clock already
+        if decision == "choice":  # before the loop's clock starts; a re-tune inside the loop is on its clock already
             run.state.elapsed_s += seconds
         record = {
             "event": "optimizer",
             "decision": decision,
             **_recorded(choice),
             "probes": len(self.probes),
+            "halved": chosen is not None,
+            "excluded_groups": sorted(self.excluded),
             "search_s": seconds,
         }
         self.metrics.write(record)
@@ -209,9 +242,10 @@ class OmnivoreOptimizer:
         return record
 
     def best(self, **where) -> dict:
-        """Return the probe of the lowest score (among those whose fields have the values in `where`)."""
-        chosen = (p for p in self.probes if all(p[key] == value for key, value in where.items()))
-        return min(chosen, key=lambda p: p["score"])
+        """Return the preferred probe (`preferred`, with this search's buffer) among those whose fields have the
+        values in `where`, leaving out groups that missed the hardware-efficiency threshold."""
+        chosen = [p for p in self.probes if all(p[key] == value for key, value in where.items())]
+        return preferred([p for p in chosen if p["groups"] not in self.excluded] or chosen, self.buffer)
 
     def diverged(self) -> list[tuple[float, float]]:
         """Return the (μ, η) of the probes that diverged."""
@@ -223,42 +257,45 @@ class OmnivoreOptimizer:
         self.run.load_state_dict(snapshot)
         self.run.hp.update(momentum=momentum, lr=lr)
 
-    def probe(self, snapshot: dict, algorithm: str, groups: int, momentum: float, lr: float) -> None:
-        """Train `--probe-seconds` from the snapshot with (algorithm, g, μ, η); record its score and seconds per
-        iteration."""
+    def probe(self, snapshot: dict, algorithm: str, groups: int, momentum: float, lr: float) -> dict:
+        """Train `--probe-seconds` from the snapshot with (algorithm, g, μ, η), in the training's rounds; record and
+        return its score and seconds per sample."""
         run = self.run
         self.start_from(snapshot, algorithm, groups, momentum, lr)
         started = time.perf_counter()
-        losses = [self.step(lr) for _ in range(TIMING_STEPS)]
+        steps = [self.step(lr) for _ in range(TIMING_STEPS)]
         s_per_iteration = self.world_max((time.perf_counter() - started) / TIMING_STEPS)
-        steps = max(SCORE_STEPS, math.ceil(self.config.probe_seconds / s_per_iteration))
-        losses += [self.step(lr) for _ in range(steps - TIMING_STEPS)]
+        count = max(2 * TIMING_STEPS, math.ceil(self.config.probe_seconds / s_per_iteration))
+        steps += [self.step(lr) for _ in range(count - TIMING_STEPS)]
         run.settle()
         run.algorithm.drain()
-        s_per_iteration = self.world_max((time.perf_counter() - started) / len(losses))
-        total, count = self.world.allreduce_sum_numbers([sum(losses[-SCORE_STEPS:]), SCORE_STEPS])
-        score = total / count if math.isfinite(total) else math.inf
+        s_per_sample = self.world_max((time.perf_counter() - started) / sum(samples for _, samples in steps))
+        losses = [loss for loss, _ in steps[-min(SCORE_STEPS, count // 2) :]]
+        total, scored = self.world.allreduce_sum_numbers([sum(losses), len(losses)])
         record = {
             "algorithm": algorithm,
             "groups": groups,
             "momentum": momentum,
             "lr": lr,
-            "score": score,
-            "s_per_iteration": s_per_iteration,
-            "steps": len(losses),
+            "score": total / scored if math.isfinite(total) else math.inf,
+            "s_per_sample": s_per_sample,
+            "steps": len(steps),
         }
         self.probes.append(record)
         self.metrics.write({"event": "optimizer", "decision": "probe", **_recorded(record)})
+        return record
 
-    def step(self, lr: float) -> float:
-        """Take one step, wrapping to the next epoch as the loop does; return this rank's mean learner loss; raise
-        SearchStopped when a rank received a stop signal (collective)."""
+    def step(self, lr: float) -> tuple[float, int]:
+        """Take one step (a round, for an asynchronous algorithm), wrapping to the next epoch as the loop does;
+        return this rank's mean learner loss and the step's samples; raise SearchStopped when a rank received a
+        stop signal (collective)."""
         run = self.run
         if self.stop():
             raise SearchStopped
         if not run.step_fits():
             run.state.next_epoch()
-        return float(run.train_step(lr).losses.mean())
+        step = run.train_step(lr)
+        return float(step.losses.mean()), step.samples
 
     def world_max(self, value: float) -> float:
         return max(self.world.allgather_json(value))

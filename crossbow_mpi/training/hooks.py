@@ -91,7 +91,8 @@ class DivergenceCheck:
         if self.algorithm in ASYNCHRONOUS:
             fix += (
                 f"; {self.algorithm} updates z asynchronously, which adds momentum of its own (about 1 - 1/G for G "
-                "asynchronous groups) on top of --momentum"
+                "asynchronous groups): with --explicit-momentum it comes on top of --momentum, so drop that flag "
+                "or lower --momentum"
             )
         kept = checkpoint.list_checkpoints(self.run_dir)
         return fix + (f"; the last checkpoint, {kept[-1].name}, is kept" if kept else "; no checkpoint was written")
@@ -149,6 +150,7 @@ class Evaluation:
             "learners": run.learners.k,
             "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9),
             "lr": lr,
+            "explicit_momentum": run.hp.momentum,
         }
         record.update(run.algorithm.statistics())
         state.loss_sum, state.loss_count = 0.0, 0

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS, Algorithm
+from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.algorithms.rounds import RoundsAlgorithm
 from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config, ConfigError
@@ -116,6 +117,10 @@ class Run:
         self.config = dataclasses.replace(config, eager_mode="majority") if auto else config
         """What the transports are built from (`--algorithm auto` probes eager-SGD in its majority mode)."""
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
+        if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
+            self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
+        if isinstance(self.algorithm, RoundsAlgorithm):
+            self.algorithm.batch_sizes(self.hp.batch_size)  # refuses a group batch below the group's ranks
         self.num_samples = len(train_set)
         self.sampler = GlobalSampler(self.num_samples, config.seed, topology.data.rank, topology.data.size)
         self.prefetcher = BatchPrefetcher(train_set, self.sampler, device, self.layout.dtype, channels_last)
@@ -167,7 +172,10 @@ class Run:
 
     def step_fits(self) -> bool:
         """Tell whether the next global step fits in the current epoch."""
-        return self.sampler.fits(self.state.offset, self.learners.k, self.hp.batch_size)
+        sizes = self.hp.batch_size
+        if isinstance(self.algorithm, RoundsAlgorithm):
+            sizes = self.algorithm.batch_sizes(sizes)  # Omnivore's group batch, split over the group's ranks
+        return self.sampler.fits(self.state.offset, self.learners.k, sizes)
 
     def train_step(self, lr: float) -> Step:
         """Take one global step: batches → gradients → each learner's local update → sync. An asynchronous
@@ -187,7 +195,7 @@ class Run:
     def _train_round(self, lr: float) -> Step:
         started, algorithm = time.perf_counter(), self.algorithm
         assert isinstance(algorithm, RoundsAlgorithm)
-        state, k, batch_sizes = self.state, self.learners.k, self.sampler.batch_sizes(self.hp.batch_size)
+        state, k, batch_sizes = self.state, self.learners.k, algorithm.batch_sizes(self.hp.batch_size)
         size = self.round_samples or ROUND_STEPS * self.sampler.step_size(k, batch_sizes)
         left = math.ceil((self.config.epochs - self.epoch_progress) * self.num_samples)  # --epochs bounds a round too
         end = state.offset + max(1, min(size, left))

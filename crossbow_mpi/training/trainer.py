@@ -414,6 +414,7 @@ class Trainer:
             "world_size": self.topology.world.size,
             "hierarchy": run.algorithm.transport.hierarchy,
             "algorithm": run.algorithm.name,
+            "explicit_momentum": run.hp.momentum,
             "threads_per_rank": self.threads,
             "device": str(self.device),
             "memory_format": "channels_last" if run.layout.channels_last else "contiguous",
