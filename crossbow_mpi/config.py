@@ -23,9 +23,6 @@ OUTER_OPTIMIZERS = ("central", "nesterov", "sgd")
 SYNC_DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
-SERVER_ALGORITHMS = ("omnivore", "hogbatch", "auto")
-"""The algorithms without `--optimizer adamw` and `--clip-grad-norm`: omnivore's and hogbatch's steps are the model
-server's, and auto may switch to them."""
 RANK_LOSS = ("abort", "continue")
 RANK_LOSS_LR = ("keep", "linear")
 SURVIVING_ALGORITHMS = ("sma", "ssgd")
@@ -162,7 +159,8 @@ class Config:
     """With `sgd`: L2 coefficient λ added to every gradient; with `adamw`: AdamW's decoupled weight decay."""
     optimizer: str = "sgd"
     """What steps the weights (crossbow_mpi.replicas.optimizers): `sgd` (each algorithm's momentum SGD equations) or
-    `adamw` (torch.optim.AdamW: z's for S-SGD and eager, each learner's local step for SMA and elastic)."""
+    `adamw` (torch.optim.AdamW: z's for S-SGD and eager, each learner's local step for SMA and elastic, the
+    server's step of z for Omnivore and hogbatch)."""
     beta1: float = 0.9
     """With `adamw`: decay of the gradient's running mean, in [0, 1)."""
     beta2: float = 0.999
@@ -171,7 +169,8 @@ class Config:
     """With `adamw`: term added to the denominator, positive."""
     clip_grad_norm: float = 0.0
     """Scale a gradient whose L2 norm exceeds this down to it (0: no clipping): S-SGD and eager the averaged
-    gradient of every rank (after the allreduce), SMA and elastic each learner's own."""
+    gradient of every rank (after the allreduce), SMA and elastic each learner's own, Omnivore and hogbatch each
+    group's averaged gradient before the server applies it."""
     alpha: float = 0.1
     """SMA: fraction α of each learner's difference to the central model moved per sync."""
     central_momentum: float = 0.9
@@ -555,8 +554,8 @@ class Config:
 
 def refuse_recipe(config: Config, what: str) -> None:
     """Raise ConfigError where `what` (an optimizer other than momentum SGD, or clipping) is not supported."""
-    if config.algorithm in SERVER_ALGORITHMS:
-        raise ConfigError(f"{what} applies to --algorithm sma, ssgd, eager and elastic, not {config.algorithm}")
+    if "auto" in (config.algorithm, config.groups):
+        raise ConfigError(f"{what} does not apply to --algorithm auto or --groups auto: their search tunes momentum")
     if config.learners == "auto":
         raise ConfigError(f"{what} needs a fixed number of --learners, not auto")
     if config.pipeline_stages > 1:

@@ -22,7 +22,18 @@ from crossbow_mpi.models import build_model
 from crossbow_mpi.replicas.optimizers import RowOptimizers, adamw, clip_rows
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import BATCH, STEPS, datasets, mlp, mlp_bn_float64, resume_config, resume_fit, run_config, self_comm
+from helpers import (
+    BATCH,
+    STEPS,
+    datasets,
+    mlp,
+    mlp_bn,
+    mlp_bn_float64,
+    resume_config,
+    resume_fit,
+    run_config,
+    self_comm,
+)
 from reference import relative_error, sgd_reference, sma_reference
 
 ADAMW = dict(optimizer="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, lr=0.01)
@@ -60,11 +71,27 @@ def test_sma_with_an_optimizer_fn_matches_the_float64_reference_of_local_adamw_a
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("algorithm", ["ssgd", "sma", pytest.param("elastic", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("clip", [0.0, 0.3])
+def test_omnivore_with_one_group_and_adamw_is_ssgd_with_adamw_bit_for_bit(comm, shared_tmp, clip):
+    train, test = datasets(comm.size, 2)
+    results = {}
+    for algorithm in ("ssgd", "omnivore"):
+        batch = BATCH * comm.size if algorithm == "omnivore" else BATCH  # Omnivore's is the group's
+        cfg = run_config(
+            shared_tmp / algorithm, algorithm=algorithm, batch_size=batch, learners=2, clip_grad_norm=clip, **ADAMW
+        )
+        results[algorithm] = Trainer(cfg, comm).fit(mlp_bn, train, test)
+    assert torch.equal(results["omnivore"].central, results["ssgd"].central)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("algorithm", ["ssgd", "sma", "omnivore", pytest.param("elastic", marks=pytest.mark.slow)])
 def test_resume_with_adamw_is_bit_identical_and_stores_the_optimizer_state(comm, shared_tmp, algorithm):
     recipe = dict(algorithm=algorithm, optimizer="adamw", lr=0.005, clip_grad_norm=1.0)
-    if algorithm == "elastic":  # rounds of one global step, so that every rank takes one step per round
+    if algorithm in ("elastic", "omnivore"):  # rounds of one global step, so that every rank takes one step per round
         recipe["round_samples"] = 2 * 4 * comm.size
+    if algorithm == "omnivore":  # one group: deterministic; its batch of 4 per rank
+        recipe["batch_size"] = 4 * comm.size
     whole = resume_fit(comm, resume_config(shared_tmp / "whole", **recipe))
     interrupted = shared_tmp / "interrupted"
     resume_fit(comm, resume_config(interrupted, **recipe))
@@ -77,9 +104,10 @@ def test_resume_with_adamw_is_bit_identical_and_stores_the_optimizer_state(comm,
     assert torch.equal(resumed.central, whole.central)
     if comm.rank == 0:
         with h5py.File(list_checkpoints(str(interrupted))[-1]) as f:
-            group = "central/optimizer" if algorithm == "ssgd" else "ranks/0/optimizer"
+            central = algorithm in ("ssgd", "omnivore")
+            group = "central/optimizer" if central else "ranks/0/optimizer"
             assert sorted(f[group]) == ["exp_avg", "exp_avg_sq", "step"]
-            rows = () if algorithm == "ssgd" else (2,)
+            rows = () if central else (2,)
             assert f[f"{group}/step"].shape == rows and (f[f"{group}/step"][...] == 48).all()
             assert f[f"{group}/exp_avg_sq"].shape == (*rows, f["central/u"].shape[0])
 
@@ -160,8 +188,8 @@ def test_lr_schedules_warm_up_by_steps_and_decay_by_cosine():
         (dict(lr_schedule="cosine", lr_steps=(1.0,)), "--lr-steps applies to --lr-schedule step, not cosine"),
         (dict(warmup_steps=5, warmup_epochs=1.0), "--warmup-steps and --warmup-epochs cannot be combined"),
         (dict(clip_grad_norm=-1.0), "--clip-grad-norm must not be negative"),
-        (dict(optimizer="adamw", algorithm="hogbatch"), "--optimizer adamw applies to --algorithm sma, ssgd"),
-        (dict(clip_grad_norm=1.0, algorithm="omnivore"), "--clip-grad-norm 1.0 applies to --algorithm sma"),
+        (dict(optimizer="adamw", algorithm="auto"), "--optimizer adamw does not apply to --algorithm auto"),
+        (dict(clip_grad_norm=1.0, algorithm="omnivore", groups="auto"), "--clip-grad-norm 1.0 does not apply to"),
         (dict(optimizer="adamw", learners="auto"), "--optimizer adamw needs a fixed number of --learners"),
         (dict(optimizer="adamw", pipeline_stages=2), "--optimizer adamw does not apply to --pipeline-stages"),
     ],

@@ -2,6 +2,8 @@
 
 What an algorithm's optimizer steps (`--optimizer`, or `optimizer_fn` in the Python API):
     S-SGD, eager-SGD   z, with the averaged gradient (one optimizer: the central model's)
+    Omnivore, hogbatch the server's z, with each group's averaged gradient as the server applies it (the server's
+                       optimizer; every rank's z's optimizer takes its state where the world meets)
     SMA, elastic       each learner's weights, with its own gradient (the local step); the correction c_j = α (w_j − z)
                        is taken from the weights before the step, and z's central step is unchanged
 With `sgd` the algorithms keep their own momentum equations; any other optimizer replaces the momentum step
@@ -54,6 +56,7 @@ class RowOptimizers:
     """One optimizer per row of `params` (an [rows, n] matrix), state in per-name matrices of those rows."""
 
     def __init__(self, optimizer_fn: OptimizerFn, params: torch.Tensor):
+        self.optimizer_fn = optimizer_fn
         self.params = params
         self.rows = list(params)  # fixed tensor objects: an optimizer keys its state by them
         self.optimizers = [optimizer_fn([row]) for row in self.rows]
