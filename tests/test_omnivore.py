@@ -17,6 +17,7 @@ from crossbow_mpi.algorithms.omnivore import Omnivore, explicit_momentum
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.control.omnivore_search import OmnivoreOptimizer, dominates, grid, group_counts, preferred
+from crossbow_mpi.replicas.optimizers import RowOptimizers, adamw
 from crossbow_mpi.training.checkpoint import list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.rank_run import ROUND_STEPS
@@ -34,6 +35,8 @@ from helpers import (
     run_config,
     run_job,
 )
+
+SERVER_ADAMW = adamw(0.8, 0.99, 1e-6, 0.1)
 
 
 def all_groups(comm) -> list[int]:
@@ -99,6 +102,52 @@ def test_the_server_applies_every_group_update_exactly_once_and_no_group_waits(c
         assert stats["async_staleness_max"] <= steps * (groups - 1)
         if groups == 1:
             assert stats["async_staleness"] == [steps]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_server_steps_its_adamw_once_per_group_update_and_every_rank_takes_its_state(comm):
+    """In float64 with integer messages (exact sums): the server's AdamW, with clipping, steps once per group update,
+    each the sum of the group's ranks' messages, as a replay of the applied order steps; every rank then holds the
+    server's z and optimizer state."""
+    steps, width, clip = 6, 5, 8.0
+    for groups in divisors(comm.size):
+        group = comm.split(comm.rank // (comm.size // groups), comm.rank)
+        server = ModelServer(comm, group, groups)
+        z = torch.zeros(width, dtype=torch.float64)
+        central = SimpleNamespace(z=z, u=torch.zeros_like(z), optimizer=RowOptimizers(SERVER_ADAMW, z.unsqueeze(0)))
+        omnivore = Omnivore.__new__(Omnivore)  # its server step and state sharing, without a model or learners
+        omnivore.hp, omnivore.central, omnivore.transport = SimpleNamespace(clip_grad_norm=clip), central, server
+        omnivore.server_optimizer = None
+        applied: list[list[float]] = []
+
+        def apply(held, message, params, omnivore=omnivore, applied=applied):
+            applied.append(message.tolist())
+            omnivore.update_central(held, message, params)
+
+        server.serve((z, central.u), apply)
+        generator = torch.Generator().manual_seed(comm.rank)
+        sent = [[*torch.randint(-9, 10, (width,), generator=generator).double().tolist(), 1.0] for _ in range(steps)]
+        for message in sent:
+            server.exchange(torch.tensor(message, dtype=torch.float64), z, params=(0.01, 0.0, 0.0))
+        server.meet((z, central.u))
+        omnivore._share_optimizer_state()
+        server.stop()
+        by_rank, size = comm.allgather_json(sent), comm.size // groups
+        group_sums = [
+            torch.tensor(by_rank[g * size : (g + 1) * size], dtype=torch.float64).sum(0).tolist() for g in range(groups)
+        ]
+        mine = {"z": z.tolist(), **{name: t.tolist() for name, t in central.optimizer.state_dict().items()}}
+        assert mine == comm.bcast_json(mine), "every rank holds the server's z and optimizer state"
+        assert mine["step"] == [groups * steps]
+        if comm.rank == 0:
+            assert sorted(applied) == sorted(m for sums in group_sums for m in sums), "each group update, once"
+            w = torch.zeros(width, dtype=torch.float64, requires_grad=True)
+            reference = torch.optim.AdamW([w], lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+            for message in applied:
+                w.grad = torch.tensor(message[:width], dtype=torch.float64) / message[-1]
+                torch.nn.utils.clip_grad_norm_([w], clip)
+                reference.step()
+            assert torch.equal(z, w.detach())
 
 
 @pytest.mark.mpi(min_size=1)
