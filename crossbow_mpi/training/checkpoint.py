@@ -10,8 +10,9 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /central/z           [num_state]           central model: parameters then float buffers
     /central/u           [num_params]          central momentum
     /central/extra       uint8                 z's frozen parameters and non-float buffers, raw, in name order
-    /central/optimizer/<name>                  z's optimizer state (S-SGD, eager with another optimizer than sgd:
-                                               [num_params] per-weight state, [] a count; absent: none)
+    /central/optimizer/<name>                  z's optimizer state (S-SGD, eager, Omnivore's server with another
+                                               optimizer than sgd: [num_params] per-weight state, [] a count;
+                                               absent: none)
     /ranks/<r>           attrs: hyperparams (JSON HyperParams of rank r), controllers (JSON: the state of each
                          hyper-parameter controller on rank r, null for one without; absent: none)
     /ranks/<r>/weights   [k_r, num_state]      rank r's learners
