@@ -4,6 +4,7 @@ and resharded on resume, gradient clipping, learning-rate schedules."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import h5py
@@ -82,6 +83,23 @@ def test_omnivore_with_one_group_and_adamw_is_ssgd_with_adamw_bit_for_bit(comm, 
         )
         results[algorithm] = Trainer(cfg, comm).fit(mlp_bn, train, test)
     assert torch.equal(results["omnivore"].central, results["ssgd"].central)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi(min_size=1)
+def test_hogbatch_with_adamw_checkpoints_the_servers_state_after_every_update(comm, shared_tmp):
+    steps = 8
+    train, test = datasets(comm.size, 1, steps)
+    cfg = run_config(
+        shared_tmp, algorithm="hogbatch", learners=1, checkpoint_every=steps, round_samples=comm.size * BATCH, **ADAMW
+    )
+    result = Trainer(cfg, comm).fit(mlp, train, test)
+    assert result.iterations == steps and torch.isfinite(result.central).all()
+    if comm.rank == 0:
+        with h5py.File(list_checkpoints(cfg.run_dir)[-1]) as f:
+            version = json.loads(f["train"].attrs["algorithm"])["version"]
+            assert version == f["central/optimizer/step"][()] == steps * comm.size, "one AdamW step per update"
+            assert torch.equal(torch.from_numpy(f["central/z"][...]), result.central)
 
 
 @pytest.mark.mpi(min_size=1)
