@@ -85,7 +85,6 @@ def test_omnivore_with_one_group_and_adamw_is_ssgd_with_adamw_bit_for_bit(comm, 
     assert torch.equal(results["omnivore"].central, results["ssgd"].central)
 
 
-@pytest.mark.slow
 @pytest.mark.mpi(min_size=1)
 def test_hogbatch_with_adamw_checkpoints_the_servers_state_after_every_update(comm, shared_tmp):
     steps = 8
