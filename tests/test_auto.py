@@ -121,20 +121,22 @@ class FakeAuto(OmnivoreOptimizer):
 
 
 def test_successive_halving_drops_the_worse_half_each_rung_then_finishes_the_winners_search():
-    scores = {("sma", 1, 0.9, 1.0): 4.0, ("ssgd", 1, 0.9, 1.0): 2.0, ("eager", 1, 0.0, 1.0): 3.0}
-    scores |= {("omnivore", 2, 0.0, 1.0): 1.0, ("ssgd", 1, 0.9, 0.1): 0.5}
+    scores = {("sma", 1, 0.9, 0.1): 4.0, ("ssgd", 1, 0.9, 0.1): 2.0, ("eager", 1, 0.9, 0.1): 3.0}
+    scores |= {("omnivore", 2, 0.0, 0.1): 1.0, ("ssgd", 1, 0.9, 1.0): 0.5}
     search = FakeAuto(4, scores, {2: 0.5, 4: 0.25})
     search._halving({})
+    first = [(p["algorithm"], p["groups"], p["momentum"], p["lr"]) for p in search.probes[:4]]
+    assert first == [(name, 1, 0.9, 0.1) for name in AUTO_ALGORITHMS[:3]] + [("omnivore", 2, 0.0, 0.1)]
     assert search.eliminated == {"eager": 0, "sma": 0, "omnivore": 1}, "rung 0: 1 probe each; rung 1: 2 each"
     assert [search.count(name) for name in AUTO_ALGORITHMS] == [1, 4, 1, 3], "the winner's learning rates to the end"
-    assert (search.best()["algorithm"], search.best()["lr"]) == ("ssgd", 0.1)
+    assert (search.best()["algorithm"], search.best()["lr"]) == ("ssgd", 1.0)
 
 
 def test_halving_ranks_an_omnivore_that_missed_the_speedup_last_and_one_rank_halves_once():
-    slow = FakeAuto(4, {("omnivore", 2, 0.0, 1.0): 0.1}, {2: 0.95})
+    slow = FakeAuto(4, {("omnivore", 2, 0.0, 0.1): 0.1}, {2: 0.95})
     slow._halving({})
     assert slow.excluded == {2} and slow.count("omnivore") == 1 and slow.eliminated["omnivore"] == 0
     assert slow.best()["algorithm"] != "omnivore", "its lowest score does not count: g = 2 is not 10 % faster"
-    single = FakeAuto(1, {("sma", 1, 0.9, 1.0): 1.0})
+    single = FakeAuto(1, {("sma", 1, 0.9, 0.1): 1.0})
     single._halving({})
     assert single.eliminated == {"ssgd": 0} and [single.count(name) for name in ("sma", "ssgd")] == [4, 1]

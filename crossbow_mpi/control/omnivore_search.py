@@ -15,8 +15,9 @@ With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `
 `omnivore`, by successive halving (Jamieson & Talwalkar 2016, the inner loop of Li et al.'s Hyperband) over the
 algorithms, each with its own cold-start search:
 
-- `ssgd` and `sma`: μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr` (Omnivore's g = 1 is S-SGD);
-- `eager`: the pruned grid of the first list's step 2 around S-SGD's best (stale rounds act like asynchrony);
+- `ssgd` and `sma`: μ = 0.9 and η ∈ {1, 10, 0.1, 0.01} × `--lr`, in this order (Omnivore's g = 1 is S-SGD);
+- `eager`: S-SGD's best, then the pruned grid of the first list's step 2 around it (stale rounds act like
+  asynchrony);
 - `omnivore`: the first list's steps 2 and 3 from g = 2, with S-SGD as g = 1.
 
 1. rung r = 0, 1, 2, …: every remaining algorithm runs the next 2^r probes of its search (fewer when it ends);
@@ -56,6 +57,8 @@ from crossbow_mpi.training.rank_run import Run
 from crossbow_mpi.training.records import MetricsLog, Progress
 
 COLD_LR_FACTORS = (10.0, 1.0, 0.1, 0.01)
+AUTO_LR_FACTORS = (1.0, 10.0, 0.1, 0.01)
+"""The same with `--lr` first: the halving's first rung compares the algorithms at the user's setting."""
 COLD_MOMENTUM = 0.9
 MOMENTA = (0.0, 0.3, 0.6, 0.9)
 SCORE_STEPS = 10
@@ -150,12 +153,13 @@ class OmnivoreOptimizer:
 
     def _cold_start(self, snapshot: dict) -> None:
         """Probe the cold start's learning rates at g = 1, then Omnivore's larger g (`_larger_groups`)."""
-        for _ in itertools.chain(self._learning_rates(snapshot, "omnivore"), self._larger_groups(snapshot)):
+        learning_rates = self._learning_rates(snapshot, "omnivore", COLD_LR_FACTORS)
+        for _ in itertools.chain(learning_rates, self._larger_groups(snapshot)):
             pass
 
-    def _learning_rates(self, snapshot: dict, algorithm: str) -> Iterator[dict]:
-        """Probe μ = 0.9 with each of the cold start's learning rates, yielding each probe."""
-        for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
+    def _learning_rates(self, snapshot: dict, algorithm: str, factors: tuple[float, ...]) -> Iterator[dict]:
+        """Probe μ = 0.9 with each factor × `--lr` in turn, yielding each probe."""
+        for lr in (factor * self.config.lr for factor in factors):
             yield self.probe(snapshot, algorithm, 1, COLD_MOMENTUM, lr)
 
     def _larger_groups(self, snapshot: dict) -> Iterator[dict]:
@@ -207,12 +211,15 @@ class OmnivoreOptimizer:
             return self._around_best(snapshot, "eager", "ssgd")
         if algorithm == "omnivore":
             return self._larger_groups(snapshot)
-        return self._learning_rates(snapshot, algorithm)
+        return self._learning_rates(snapshot, algorithm, AUTO_LR_FACTORS)
 
     def _around_best(self, snapshot: dict, algorithm: str, of: str) -> Iterator[dict]:
-        """Probe the algorithm on the pruned grid around the best of `of` when it starts, yielding each probe."""
+        """Probe the algorithm on the pruned grid around the best of `of` when it starts, that best first (a
+        comparison at equal settings), yielding each probe."""
         best = self.best(algorithm=of)
-        for point in self.pruned(best["momentum"], best["lr"]):
+        centre = (best["momentum"], best["lr"])
+        rest = (point for point in self.pruned(*centre) if point != centre)
+        for point in itertools.chain([centre] if not dominates(centre, self.diverged()) else [], rest):
             yield self.probe(snapshot, algorithm, 1, *point)
 
     def arm_score(self, algorithm: str) -> float:
