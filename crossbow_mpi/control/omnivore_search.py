@@ -206,7 +206,7 @@ class OmnivoreOptimizer:
 
     def _arm(self, snapshot: dict, algorithm: str) -> Iterator[dict]:
         """Return the algorithm's own cold-start search as probes to come: `sma` and `ssgd` the learning rates at
-        μ = 0.9, `eager` the pruned grid around S-SGD's best, `omnivore` its larger g."""
+        μ = 0.9 from `--lr`, `eager` S-SGD's best then the pruned grid around it, `omnivore` its larger g."""
         if algorithm == "eager":
             return self._around_best(snapshot, "eager", "ssgd")
         if algorithm == "omnivore":
