@@ -101,9 +101,10 @@ class Config:
     """Training algorithm: `sma` (synchronous model averaging), `ssgd` (synchronous SGD), `eager` (eager-SGD),
     `omnivore` (compute groups, asynchronous across groups), `hogbatch` (every rank asynchronous, with its own
     batch size), `elastic` (local steps at each rank's pace, merged every round by update share) or `auto`: timed
-    probes pick among `sma`, `ssgd`, `eager` (majority) and `omnivore` with their momentum, learning rate and
-    groups before training, and again every `optimizer_epoch` (crossbow_mpi.control.omnivore_search). `auto` needs
-    a fixed number of `--learners` (the sma probes use it) and no `--pipeline-stages`."""
+    probes pick among `sma`, `ssgd`, `eager` (majority) and `omnivore` (successive halving) with their momentum,
+    learning rate and groups before training, and again every `optimizer_epoch`
+    (crossbow_mpi.control.omnivore_search). `auto` needs a fixed number of `--learners` (the sma probes use it)
+    and no `--pipeline-stages`."""
     model: str = "lenet"
     """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`; `tinygpt`: a
     small GPT for `--dataset text`)."""

@@ -12,13 +12,20 @@ probes before training, following the released artifact (HazyResearch/Omnivore `
    buffer); when the best μ there is 0 (asynchrony already gives the momentum), train at g/2 with μ = 0.6.
 
 With `--algorithm auto` the same probes choose the algorithm too, among `sma`, `ssgd`, `eager` (majority) and
-`omnivore`:
+`omnivore`, by successive halving (Jamieson & Talwalkar 2016, the inner loop of Li et al.'s Hyperband) over the
+algorithms, each with its own cold-start search:
 
-1. the cold start above with `ssgd` as g = 1 (Omnivore's g = 1 is S-SGD) and `omnivore` for g > 1;
-2. `sma` with μ = 0.9 and η ∈ {10, 1, 0.1, 0.01} × `--lr` (its learners' momentum and learning rate);
-3. `eager` on the pruned grid of the first list's step 2, around S-SGD's best (stale rounds act like asynchrony);
-4. train with the (algorithm, g, μ, η) of the lowest score: about 4 + 4 + 5 probes, and 5 per g > 1;
-5. every `--optimizer-epoch`: the current algorithm's search of the first list's step 5 (omnivore halving g down to
+- `ssgd` and `sma`: μ = 0.9 and η ∈ {1, 10, 0.1, 0.01} × `--lr`, in this order (Omnivore's g = 1 is S-SGD);
+- `eager`: S-SGD's best, then the pruned grid of the first list's step 2 around it (stale rounds act like
+  asynchrony);
+- `omnivore`: the first list's steps 2 and 3 from g = 2, with S-SGD as g = 1.
+
+1. rung r = 0, 1, 2, …: every remaining algorithm runs the next 2^r probes of its search (fewer when it ends);
+2. the worse half (⌊n/2⌋ of n, by each one's lowest score so far; excluded groups do not count; ties keep the
+   order above) is dropped; stop at one algorithm, whose search then runs to its end;
+3. train with the lowest score's (algorithm, g, μ, η), the last one's unless Omnivore's groups missed the speedup
+   after it won: on 4 ranks 4 + 4 probes, then the last one's rest (1 to 7 more), against 23 for the whole grid;
+4. every `--optimizer-epoch`: the current algorithm's search of the first list's step 5 (omnivore halving g down to
    2), and every other algorithm once, at its best of the last search (after a resume: at the current μ and η,
    omnivore at 2 groups).
 
@@ -40,15 +47,18 @@ once, a re-tune `--optimizer-epoch` seconds after the resume).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from crossbow_mpi.config import Config
 from crossbow_mpi.training.rank_run import Run
 from crossbow_mpi.training.records import MetricsLog, Progress
 
 COLD_LR_FACTORS = (10.0, 1.0, 0.1, 0.01)
+AUTO_LR_FACTORS = (1.0, 10.0, 0.1, 0.01)
+"""The same with `--lr` first: the halving's first rung compares the algorithms at the user's setting."""
 COLD_MOMENTUM = 0.9
 MOMENTA = (0.0, 0.3, 0.6, 0.9)
 SCORE_STEPS = 10
@@ -125,13 +135,15 @@ class OmnivoreOptimizer:
         self.buffer = COLD_BUFFER
         self.excluded: set[int] = set()
         """Groups that missed the hardware-efficiency threshold in this search (not chosen)."""
+        self.eliminated: dict[str, int] = {}
+        """With `--algorithm auto`: the algorithms the cold start's successive halving dropped, and at which rung."""
         self.bests: dict[str, dict] = {}
         """With `--algorithm auto`: each algorithm's best probe of the last search."""
 
     def choose(self) -> dict | None:
         """Probe from cold, then leave the run at its snapshot with the best (algorithm, g, μ, η); return the choice's
         record (None: a stop signal ended the search)."""
-        return self._search("choice", self._cold_start_algorithms if self.auto else self._cold_start, COLD_BUFFER)
+        return self._search("choice", self._halving if self.auto else self._cold_start, COLD_BUFFER)
 
     def retune(self) -> dict | None:
         """Search the pruned grid around the current (g, μ, η), choosing g/2 with μ = 0.6 when the best μ is 0 (with
@@ -139,19 +151,35 @@ class OmnivoreOptimizer:
         choice; return the record (None: a stop signal ended the search)."""
         return self._search("retune", self._recheck if self.auto else self._around_current, STEADY_BUFFER)
 
-    def _cold_start(self, snapshot: dict, first: str = "omnivore") -> None:
-        """Probe the cold start's learning rates at g = 1 with algorithm `first`, then Omnivore's larger g until the
-        first probe that is not 10 % faster per sample than the previous g."""
-        for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
-            self.probe(snapshot, first, 1, COLD_MOMENTUM, lr)
-        previous = min(p["s_per_sample"] for p in self.probes)
+    def _cold_start(self, snapshot: dict) -> None:
+        """Probe the cold start's learning rates at g = 1, then Omnivore's larger g (`_larger_groups`)."""
+        learning_rates = self._learning_rates(snapshot, "omnivore", COLD_LR_FACTORS)
+        for _ in itertools.chain(learning_rates, self._larger_groups(snapshot)):
+            pass
+
+    def _learning_rates(self, snapshot: dict, algorithm: str, factors: tuple[float, ...]) -> Iterator[dict]:
+        """Probe μ = 0.9 with each factor × `--lr` in turn, yielding each probe."""
+        for lr in (factor * self.config.lr for factor in factors):
+            yield self.probe(snapshot, algorithm, 1, COLD_MOMENTUM, lr)
+
+    def _larger_groups(self, snapshot: dict) -> Iterator[dict]:
+        """Probe Omnivore's g = 2, 4, … around the previous g's best, yielding each probe, until the first probe that
+        is not 10 % faster per sample than the previous g's fastest (that g is excluded)."""
         for groups in group_counts(self.world.size)[1:]:
-            best = self.best(groups=groups // 2)
+            previous = self.at(groups // 2)
+            fastest = min(p["s_per_sample"] for p in self.probes if _matches(p, previous))
+            best = self.best(**previous)
             for point in self.pruned(best["momentum"], best["lr"]):
-                if self.probe(snapshot, "omnivore", groups, *point)["s_per_sample"] > (1 - MIN_SPEEDUP) * previous:
+                probe = self.probe(snapshot, "omnivore", groups, *point)
+                if probe["s_per_sample"] > (1 - MIN_SPEEDUP) * fastest:
                     self.excluded.add(groups)
+                yield probe
+                if groups in self.excluded:
                     return
-            previous = min(p["s_per_sample"] for p in self.probes if p["groups"] == groups)
+
+    def at(self, groups: int) -> dict:
+        """Return the fields of the probes of Omnivore at g groups (with `--algorithm auto`, g = 1 is `ssgd`)."""
+        return {"algorithm": "ssgd" if self.auto and groups == 1 else "omnivore", "groups": groups}
 
     def pruned(self, momentum: float, lr: float):
         """Yield the pruned grid around (μ, η), skipping each point that dominates one diverged so far."""
@@ -159,16 +187,45 @@ class OmnivoreOptimizer:
             if not dominates(point, self.diverged()):
                 yield point
 
-    def _cold_start_algorithms(self, snapshot: dict) -> None:
-        """S-SGD's learning rates and Omnivore's groups, then SMA's learning rates and eager-SGD's grid around
-        S-SGD's best (see the module docstring)."""
-        self._cold_start(snapshot, "ssgd")
-        for lr in (factor * self.config.lr for factor in COLD_LR_FACTORS):
-            self.probe(snapshot, "sma", 1, COLD_MOMENTUM, lr)
-        if "eager" in self.candidates():
-            best = self.best(algorithm="ssgd")
-            for point in self.pruned(best["momentum"], best["lr"]):
-                self.probe(snapshot, "eager", 1, *point)
+    def _halving(self, snapshot: dict) -> None:
+        """Successive halving over the candidates: each rung runs the next 1, 2, 4, … probes of every remaining
+        algorithm's search and drops the worse half by its best score so far; the last one's search runs to its end."""
+        arms = {name: self._arm(snapshot, name) for name in self.candidates()}
+        rung = 0
+        while len(arms) > 1:
+            for arm in arms.values():
+                for _ in itertools.islice(arm, 2**rung):
+                    pass
+            ranked = sorted(arms, key=self.arm_score)  # stable: ties keep AUTO_ALGORITHMS' order
+            for name in ranked[(len(ranked) + 1) // 2 :]:
+                self.eliminated[name] = rung
+                del arms[name]
+            rung += 1
+        for _ in next(iter(arms.values())):
+            pass
+
+    def _arm(self, snapshot: dict, algorithm: str) -> Iterator[dict]:
+        """Return the algorithm's own cold-start search as probes to come: `sma` and `ssgd` the learning rates at
+        μ = 0.9 from `--lr`, `eager` S-SGD's best then the pruned grid around it, `omnivore` its larger g."""
+        if algorithm == "eager":
+            return self._around_best(snapshot, "eager", "ssgd")
+        if algorithm == "omnivore":
+            return self._larger_groups(snapshot)
+        return self._learning_rates(snapshot, algorithm, AUTO_LR_FACTORS)
+
+    def _around_best(self, snapshot: dict, algorithm: str, of: str) -> Iterator[dict]:
+        """Probe the algorithm on the pruned grid around the best of `of` when it starts, that best first (a
+        comparison at equal settings), yielding each probe."""
+        best = self.best(algorithm=of)
+        centre = (best["momentum"], best["lr"])
+        rest = (point for point in self.pruned(*centre) if point != centre)
+        for point in itertools.chain([centre] if not dominates(centre, self.diverged()) else [], rest):
+            yield self.probe(snapshot, algorithm, 1, *point)
+
+    def arm_score(self, algorithm: str) -> float:
+        """Return the algorithm's lowest probe score in this search, leaving out excluded groups (infinite: none)."""
+        mine = [p for p in self.probes if p["algorithm"] == algorithm and p["groups"] not in self.excluded]
+        return min((p["score"] for p in mine), default=math.inf)
 
     def _around_current(self, snapshot: dict) -> dict | None:
         """Probe the pruned grid around the current (μ, η) at the current g; return the choice when its best μ is 0
@@ -208,7 +265,7 @@ class OmnivoreOptimizer:
         run.settle()
         run.algorithm.drain()
         snapshot, before = run.state_dict(), run.choice
-        self.probes, self.buffer, self.excluded = [], buffer, set()
+        self.probes, self.buffer, self.excluded, self.eliminated = [], buffer, set(), {}
         try:
             chosen = search(snapshot)
         except SearchStopped:
@@ -232,6 +289,7 @@ class OmnivoreOptimizer:
             "probes": len(self.probes),
             "halved": chosen is not None,
             "excluded_groups": sorted(self.excluded),
+            "eliminated": self.eliminated,
             "search_s": seconds,
         }
         self.metrics.write(record)
@@ -244,7 +302,7 @@ class OmnivoreOptimizer:
     def best(self, **where) -> dict:
         """Return the preferred probe (`preferred`, with this search's buffer) among those whose fields have the
         values in `where`, leaving out groups that missed the hardware-efficiency threshold."""
-        chosen = [p for p in self.probes if all(p[key] == value for key, value in where.items())]
+        chosen = [p for p in self.probes if _matches(p, where)]
         return preferred([p for p in chosen if p["groups"] not in self.excluded] or chosen, self.buffer)
 
     def diverged(self) -> list[tuple[float, float]]:
@@ -299,6 +357,10 @@ class OmnivoreOptimizer:
 
     def world_max(self, value: float) -> float:
         return max(self.world.allgather_json(value))
+
+
+def _matches(probe: dict, where: dict) -> bool:
+    return all(probe[key] == value for key, value in where.items())
 
 
 def _recorded(probe: dict) -> dict:
