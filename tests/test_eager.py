@@ -159,6 +159,7 @@ def test_eager_benchmark_quick_mode_writes_results(tmp_path):
         "eager majority",
         "eager solo, lr / 2",
     }
-    lrs = {variant.split(" / ", 1)[1]: flags["lr"] for variant, flags in result["settings"]["variants"].items()}
-    assert lrs["eager solo, lr / 2"] == lrs["eager solo"] / 2 == lrs["ssgd"] / 2
+    lrs = {variant: flags["lr"] for variant, flags in result["settings"]["variants"].items()}
+    assert lrs["random / eager solo, lr / 2"] == lrs["random / ssgd"] / 2
+    assert lrs["inherent (sequences) / eager solo"] == lrs["inherent (sequences) / ssgd"]
     assert done.stdout.rstrip().splitlines()[-len(result["rows"]) - 2].split() == result["columns"]
