@@ -250,7 +250,7 @@ def test_export_writes_the_optimizer_state_per_parameter_and_refuses_a_run_witho
     [
         (lambda params: "adamw", {}, "optimizer_fn returned str, not a torch.optim.Optimizer"),
         (lambda params: torch.optim.AdamW(params, betas=(2.0, 0.9)), {}, "optimizer_fn([params]) raised ValueError"),
-        (adamw(0.9, 0.999, 1e-8, 0.0), dict(algorithm="hogbatch"), "optimizer_fn applies to --algorithm sma"),
+        (adamw(0.9, 0.999, 1e-8, 0.0), dict(algorithm="auto"), "optimizer_fn does not apply to --algorithm auto"),
     ],
 )
 def test_a_bad_optimizer_fn_is_refused_in_one_line(tmp_path, optimizer_fn, overrides, message):

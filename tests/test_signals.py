@@ -3,6 +3,7 @@ launch/local.sh; stale checkpoint temporaries; each stop exits 75 with one line 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -26,9 +27,11 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 
 
 def start(command: list[str], env=ENV) -> subprocess.Popen:
-    """Start the command in a session of its own (as a terminal's foreground job)."""
+    """Start the command in a session of its own (as a terminal's foreground job), with SIGINT's default action:
+    a suite started in the background (`cmd &`) ignores SIGINT, and a shell cannot trap what it inherits ignored."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
-    return subprocess.Popen(command, cwd=REPO, env=env, **pipes)
+    default_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=default_sigint, **pipes)
 
 
 def train_command(run_dir, *flags: str) -> list[str]:
