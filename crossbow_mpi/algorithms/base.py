@@ -176,9 +176,13 @@ class Algorithm:
         wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
         scope.allreduce_cast_(message, wire)
         self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
+        return message[:num_params], self.take_buffers(message, num_params)
+
+    def take_buffers(self, message: torch.Tensor, num_params: int) -> torch.Tensor:
+        """Set z's buffers to the weighted mean a reduced message carries; return its summed weight (one element)."""
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)
-        return message[:num_params], carried
+        return carried
 
 
 def ring_bytes(ranks: int, payload: int) -> int:

@@ -129,8 +129,7 @@ class SynchronousModelAveraging(Algorithm):
         """Reduce the pseudo-gradient z − mean(w) (as differences, which a low-precision wire carries better than
         weights), step z on it, restart every learner from z; with `columns` (a fragment) for those columns only,
         and the buffers."""
-        learners = self.learners
-        torch.sub(self.central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
+        self.stage_pseudo_gradients()
         total, carried = self.allreduce_staged(columns=columns)
         self.outer_apply(total.div_(carried), columns)
 
@@ -138,8 +137,7 @@ class SynchronousModelAveraging(Algorithm):
         """Start `outer_sync`'s reduction without waiting (`--sync-delay τ`): it completes and applies τ steps later,
         or at `drain`, and the learners' progress on its columns in between is replaced by z's, as Streaming
         DiLoCo's merge with mixing factor 0."""
-        learners = self.learners
-        torch.sub(self.central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
+        self.stage_pseudo_gradients()
         message, num_params = self.staged_message(self.transport, columns)
         host = message.to("cpu", copy=True)
         request = self.transport.iallreduce_sum_(host)  # type: ignore[attr-defined]
@@ -154,9 +152,13 @@ class SynchronousModelAveraging(Algorithm):
         self.in_flight = None
         wait_sleeping([request])
         message = host.to(self.central.z.device)
-        carried = message[-1:]
-        torch.div(message[num_params:-1], carried, out=self.central.buffers)
+        carried = self.take_buffers(message, num_params)
         self.outer_apply(message[:num_params].div_(carried), columns)
+
+    def stage_pseudo_gradients(self) -> None:
+        """Stage each learner's z − w_j as its row of the sync message."""
+        learners = self.learners
+        torch.sub(self.central.params, learners.params, out=self.staged[:, : learners.layout.num_params])
 
     def outer_apply(self, delta: torch.Tensor, columns: slice | None) -> None:
         """Step z on the pseudo-gradient `delta` (of `columns`: all when None) and restart the learners from z there."""

@@ -47,7 +47,7 @@ class ActivationMeter:
 def footprint(central, learners, algorithm, activations: int | None, concurrent: int, batch_bytes: int) -> dict:
     """Return a rank's bytes by part (`activations`: one learner's, None where unmeasured; `concurrent`: learners
     whose passes run at once; `batch_bytes`: what the prefetcher holds)."""
-    own = {learners.staging.untyped_storage().data_ptr()}
+    own = {_storage(learners.staging)}
     message = sum(_nbytes(t) for t in _distinct((algorithm.staged, algorithm.message)) if _storage(t) not in own)
     parts = {
         "z": _nbytes(central.z),
