@@ -14,6 +14,7 @@ from crossbow_mpi.replicas.engines import ENGINES
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.footprint import ActivationMeter, bytes_per_learner, footprint
 from crossbow_mpi.replicas.learners import CentralModel, Learners
+from crossbow_mpi.replicas.optimizers import adamw
 from crossbow_mpi.replicas.state import HyperParams
 
 from helpers import metrics_records, mlp_bn, self_comm
@@ -52,12 +53,29 @@ def test_learners_that_share_z_hold_their_buffers_alone_and_the_footprint_adds_u
     assert parts["learner_weights"] == 3 * (buffers if shares else layout.num_state) * 4
     assert parts["learner_momenta"] == (0 if shares else 3 * n * 4)
     assert parts["learner_grads"] == 3 * (layout.num_state + 1) * 4
-    staged_rows = 0 if shares else 3  # S-SGD stages in the gradient rows; the message is the first staged row
-    assert parts["message"] == staged_rows * (layout.num_state + 1) * 4
+    assert parts["message"] == 0, "both stage in the gradient rows; the message is the first staged row"
     assert parts["activations_peak"] == engine.activations.bytes > 0
     assert parts["total"] == sum(v for name, v in parts.items() if name != "total")
     row = (0 if shares else n) * 2 + buffers + layout.num_state + 1
     assert bytes_per_learner(learners, engine.activations.bytes) == row * 4 + engine.activations.bytes
+
+
+def test_sma_with_another_optimizer_stages_its_corrections_in_rows_of_their_own():
+    """AdamW's step reads the gradient after the correction is taken from the weights it then changes."""
+    torch.manual_seed(0)
+    module = mlp_bn()
+    layout = FlatLayout(module)
+    central = CentralModel(module, layout)
+    learners = Learners(mlp_bn, layout, central, 2)
+    sma = ALGORITHMS["sma"](HyperParams.from_config(Config(learners=2)), self_comm(), central, learners)
+    learners.use_optimizer(adamw(0.9, 0.999, 1e-8, 0.0))
+    engine = ENGINES["sequential"](nn.functional.cross_entropy, threads=1)
+    engine.compute_gradients(learners, [(torch.randn(4, 1, 6, 6), torch.randint(0, 10, (4,))) for _ in range(2)])
+    gradients = learners.grads.clone()
+    engine.local_step(sma, 0.1)
+    assert torch.equal(learners.grads, gradients) and sma.staged is not learners.staging
+    parts = footprint(central, learners, sma, None, concurrent=1, batch_bytes=0)
+    assert parts["message"] == 2 * (layout.num_state + 1) * 4
 
 
 @pytest.mark.mpi(min_size=1)

@@ -38,9 +38,11 @@ class Algorithm:
     learners_share_z = False
     """Whether every learner equals z after every sync, so that the learners' parameters can be z's own
     (`Learners.share_z`) instead of copies written at every sync."""
-    stages_gradients = False
-    """Whether a learner's part of the sync message is its gradient (times its weight): then the staged rows are
-    the learners' `staging`, whose first part holds their gradients already, so that staging copies nothing."""
+    stages_in_gradients = False
+    """Whether the staged rows are the learners' `staging`, so that the message has no rows of its own: a learner's
+    part is written over its gradient (its gradient itself, times its weight, where staging copies nothing: S-SGD,
+    Omnivore; or a part computed once the learner's step has read its gradient: SMA). An engine that overlaps the
+    sync with the learners' next passes then writes a learner's next gradient into its row after the sync."""
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
     learner reads before its own `local_step`."""
@@ -81,7 +83,7 @@ class Algorithm:
         """(Re)allocate the staged rows and the message for the current number of learners, before `local_step`
         (on a GPU: on the stream that every learner's and the sync stream wait for)."""
         learners = self.learners
-        staged = learners.staging if self.stages_gradients else self.staged
+        staged = learners.staging if self.stages_in_gradients else self.staged
         if staged.shape != learners.staging.shape:
             staged = learners.staging.new_ones(learners.staging.shape)
         if staged is not self.staged:
@@ -119,8 +121,8 @@ class Algorithm:
 
     def staged_rows(self, rows: slice) -> torch.Tensor:
         """Return the staged rows' first part (one column per parameter), staging the learners' weighted buffers and
-        weight beside it; the caller stages its part times `weight` (with `stages_gradients` the part holds the
-        learners' gradients already)."""
+        weight beside it; the caller stages its part times `weight` (with `stages_in_gradients` the part holds the
+        learners' gradients until the caller writes it)."""
         learners = self.learners
         assert self.staged.shape[0] == learners.k, "allocate_message() before local_step()"
         num_params = learners.layout.num_params

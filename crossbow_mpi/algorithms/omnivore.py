@@ -46,7 +46,7 @@ def explicit_momentum(total: float, groups: int) -> float:
 class Omnivore(RoundsAlgorithm):
     name = "omnivore"
     learners_share_z = True
-    stages_gradients = True
+    stages_in_gradients = True
     weighs_by_samples = True
 
     def __init__(self, hp: HyperParams, transport: ModelServer, central: CentralModel, learners: Learners):

@@ -23,6 +23,14 @@ links; the syncs across nodes stay every H steps.
 A learner reads z only in its own `local_step`, so its next forward pass may overlap the sync. With
 `--fused-step` the learners' update, correction and staging run as one fused kernel, and the central update as
 another, with the same bits (crossbow_mpi.replicas.kernels).
+
+With sgd a learner stages c_j (and the outer sync z − w_j) over its gradient, which its step has read by then, so
+SMA holds no staging row per learner (`stages_in_gradients`). The sync reads those rows and reduces in learner
+0's, and no learner writes its row before the sync is done: the threads and sequential engines run the sync
+between the steps, and the stream engine's learner stream, which runs the next forward and backward pass during
+the sync, waits for the sync before it takes its gradient into its row (autograd writes fresh tensors until
+then). Another optimizer's step needs g after c_j is taken from w_j, so with one each learner stages c_j in a
+row of its own.
 """
 
 from __future__ import annotations
@@ -68,6 +76,10 @@ class SynchronousModelAveraging(Algorithm):
         """Steps until the delayed sync applies."""
 
     @property
+    def stages_in_gradients(self) -> bool:  # type: ignore[override]
+        return self.learners.optimizers is None
+
+    @property
     def overlaps_sync(self) -> bool:  # type: ignore[override]
         return self.hp.outer_optimizer == "central" and not self.hp.sync_every_node
 
@@ -84,11 +96,11 @@ class SynchronousModelAveraging(Algorithm):
     def local_step(self, rows: slice, lr: float) -> None:
         hp, learners, z = self.hp, self.learners, self.central.params
         w, v, g = learners.params[rows], learners.momentum[rows], learners.grads[rows]
-        corrections = self.staged_rows(rows)
+        corrections = self.staged_rows(rows)  # g's memory with sgd (`stages_in_gradients`)
         if hp.clip_grad_norm:
             clip_rows(g, hp.clip_grad_norm)
-        if self.fused_update is not None:
-            self.fused_update(w, v, g, z, corrections, lr, hp.weight_decay, hp.momentum, self.alpha)
+        if self.fused_update is not None:  # sgd only: it writes the corrections over g
+            self.fused_update(w, v, g, z, lr, hp.weight_decay, hp.momentum, self.alpha)
             return
         if learners.optimizers is not None:
             torch.sub(w, z, out=corrections).mul_(self.alpha)

@@ -22,7 +22,7 @@ class SynchronousSGD(Algorithm):
     name = "ssgd"
     weighs_by_samples = True
     learners_share_z = True
-    stages_gradients = True
+    stages_in_gradients = True
     fused_update: SsgdUpdate | None = None
     """The fused step of u and z (`--fused-step`), or None for the in-place sequence (the same bits)."""
 

@@ -123,8 +123,12 @@ class LearnerEngine:
                 loss = self.forward_backward(learners.modules[j], batch)
         else:
             loss = self.forward_backward(learners.modules[j], batch)
-        learners.take_gradients(j)
+        self.take_gradients(learners, j)
         return loss
+
+    def take_gradients(self, learners: Learners, j: int) -> None:
+        """Move the gradients of learner j's backward pass into its row of `learners.grads`."""
+        learners.take_gradients(j)
 
     def forward_backward(self, module: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """Accumulate the gradient of the module's loss on the batch into its gradients; return the loss."""
@@ -191,8 +195,10 @@ class StreamEngine(LearnerEngine):
     forward pass (S-SGD, eager) it also waits for the last sync. Then forward and backward; then it waits for
     the last sync and runs the learner's own part of the step (`local_step`). The sync stream waits for every
     learner's `local_step` and for the current stream, then syncs. So with SMA a learner starts its next forward
-    pass as soon as its own correction is applied, and the sync overlaps it. The current stream waits for the
-    learners' losses each step and for everything at `synchronize`.
+    pass as soon as its own correction is applied, and the sync overlaps it. A learner's gradient row may be a
+    staged row that the sync reads (`stages_in_gradients`), so its stream waits for the last sync before it takes
+    its gradients into it. The current stream waits for the learners' losses each step and for everything at
+    `synchronize`.
     """
 
     name = "streams"
@@ -222,6 +228,10 @@ class StreamEngine(LearnerEngine):
             current.wait_stream(stream)
             loss.record_stream(current)
         return losses
+
+    def take_gradients(self, learners: Learners, j: int) -> None:
+        self._wait_for_sync(torch.cuda.current_stream())
+        learners.take_gradients(j)
 
     def local_step(self, algorithm: AlgorithmSteps, lr: float) -> None:
         self.overlaps_sync = algorithm.overlaps_sync

@@ -4,9 +4,9 @@ bits of the in-place sequences they replace; and the C++ compiler that torch.com
 A fused step rounds exactly where its in-place sequence does. PyTorch computes `a.add_(b, alpha=s)` as one
 multiply-add, fma(b, s, a); every other product, sum and quotient is rounded on its own. So, per element:
 
-SMA, each learner's row (g is read, not written back: the next backward pass replaces it)
-    g' = fma(w, λ, g);  v ← fma(g', −η, μ v);  c = α (w − z);  w ← (w + v) − c
-reading w, v, g (and z once per column) and writing w, v and c: six passes over k·n floats where the in-place
+SMA, each learner's row (g is read, then holds the correction c: SMA stages c over the gradient)
+    g' = fma(w, λ, g);  v ← fma(g', −η, μ v);  c = α (w − z);  w ← (w + v) − c;  g ← c
+reading w, v, g (and z once per column) and writing w, v and g: six passes over k·n floats where the in-place
 sequence makes eighteen.
 
 SMA, z and its momentum u, with the summed corrections d (d is read, not written back: the next sum replaces it)
@@ -39,7 +39,7 @@ import torch
 from crossbow_mpi.config import ConfigError
 
 SmaUpdate = Callable[..., None]
-"""update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha): one fused SMA learner step, in place."""
+"""update(w, v, g, z, lr, weight_decay, momentum, alpha): one fused SMA learner step, in place (c into g)."""
 SmaCentralUpdate = Callable[..., None]
 """update(d, z, u, central_momentum): one fused SMA step of z and u by the summed corrections d, in place."""
 SsgdUpdate = Callable[..., None]
@@ -77,12 +77,12 @@ def require_compiler(flag: str) -> None:
         )
 
 
-def _sma_update(w, v, g, z, corrections, hp) -> None:
+def _sma_update(w, v, g, z, hp) -> None:
     lr, weight_decay, momentum, alpha = hp[0], hp[1], hp[2], hp[3]
     v_new = torch.ops.prims.fma(torch.ops.prims.fma(w, weight_decay, g), -lr, v * momentum)
     c = (w - z) * alpha
     v.copy_(v_new)
-    corrections.copy_(c)
+    g.copy_(c)
     w.copy_((w + v_new) - c)
 
 
@@ -111,9 +111,9 @@ def _numbers(like: torch.Tensor, *values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-def compiled_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) -> None:
+def compiled_sma_update(w, v, g, z, lr, weight_decay, momentum, alpha) -> None:
     """Run the fused SMA step as torch.compile's code; compiled at the first call."""
-    _compiled(_sma_update)(w, v, g, z, corrections, _numbers(w, lr, weight_decay, momentum, alpha))
+    _compiled(_sma_update)(w, v, g, z, _numbers(w, lr, weight_decay, momentum, alpha))
 
 
 def compiled_sma_central_update(d, z, u, central_momentum) -> None:
@@ -139,14 +139,15 @@ __device__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 """Round-to-nearest arithmetic that nvcc does not contract into multiply-adds (the kernels' preamble)."""
 
 CUPY_SMA_UPDATE = (
-    "T g, T z, T lr, T weight_decay, T momentum, T alpha",
-    "T w, T v, T c",
+    "T z, T lr, T weight_decay, T momentum, T alpha",
+    "T w, T v, T g",
     "T v_new = fma(fma(w, weight_decay, g), -lr, mul_rn(v, momentum));"
-    " T c_new = mul_rn(sub_rn(w, z), alpha);"
-    " w = sub_rn(add_rn(w, v_new), c_new); v = v_new; c = c_new;",
+    " T c = mul_rn(sub_rn(w, z), alpha);"
+    " w = sub_rn(add_rn(w, v_new), c); v = v_new; g = c;",
     "crossbow_sma_update",
 )
-"""The fused SMA step as a CuPy ElementwiseKernel (inputs, outputs, body, name); z broadcasts over the rows."""
+"""The fused SMA step as a CuPy ElementwiseKernel (inputs, outputs, body, name); z broadcasts over the rows; g is
+an output, read before it takes c (as an input beside it, CuPy would copy it first)."""
 
 CUPY_SMA_CENTRAL_UPDATE = (
     "T d, T central_momentum",
@@ -202,9 +203,9 @@ def _run_cupy(spec, like: torch.Tensor, inputs: tuple, numbers: tuple[float, ...
         _cupy_kernel(spec)(*map(cupy.asarray, inputs), *map(scalar, numbers), *map(cupy.asarray, outputs))
 
 
-def cupy_sma_update(w, v, g, z, corrections, lr, weight_decay, momentum, alpha) -> None:
+def cupy_sma_update(w, v, g, z, lr, weight_decay, momentum, alpha) -> None:
     """Run the fused SMA step as one CuPy kernel on torch's current stream."""
-    _run_cupy(CUPY_SMA_UPDATE, w, (g, z), (lr, weight_decay, momentum, alpha), (w, v, corrections))
+    _run_cupy(CUPY_SMA_UPDATE, w, (z,), (lr, weight_decay, momentum, alpha), (w, v, g))
 
 
 def cupy_sma_central_update(d, z, u, central_momentum) -> None:

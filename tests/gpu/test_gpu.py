@@ -254,25 +254,22 @@ def test_the_cupy_fused_sma_step_gives_the_bits_of_the_in_place_step(comm):
     torch.manual_seed(0)
     k, n, lr, weight_decay, momentum, alpha = 3, 10_000, 0.05, 5e-4, 0.9, 0.1
     weights = torch.randn(k, n + 7, device=device)  # rows of [params | buffers], as the learners hold them
-    v0, g0, z = (
-        torch.randn(k, n, device=device) * 0.01,
-        torch.randn(k, n + 8, device=device)[:, :n],  # the gradients' part of the learners' staging rows
-        torch.randn(n, device=device),
-    )
-    staged = torch.ones(k, n + 8, device=device)
-    w, v, g, c = weights[:, :n].clone(), v0.clone(), g0.clone(), staged[:, :n].clone()
+    staging = torch.ones(k, n + 8, device=device)  # the learners' staging rows: [gradient | buffers, weight]
+    staging[:, :n].normal_()
+    v0, z = torch.randn(k, n, device=device) * 0.01, torch.randn(n, device=device)
+    w, v, g = weights[:, :n].clone(), v0.clone(), staging[:, :n].clone()
     g.add_(w, alpha=weight_decay)
     v.mul_(momentum).sub_(g, alpha=lr)
-    torch.sub(w, z, out=c).mul_(alpha)
-    w.add_(v).sub_(c)
+    torch.sub(w, z, out=g).mul_(alpha)  # the correction, staged over the gradient
+    w.add_(v).sub_(g)
     fv, buffers = v0.clone(), weights[:, n:].clone()
     learner_stream = torch.cuda.Stream(device)
     learner_stream.wait_stream(torch.cuda.current_stream(device))  # the inputs were written on the default stream
     with torch.cuda.stream(learner_stream):  # the learner's stream, as the stream engine runs it
-        cupy_sma_update(weights[:, :n], fv, g0, z, staged[:, :n], lr, weight_decay, momentum, alpha)
+        cupy_sma_update(weights[:, :n], fv, staging[:, :n], z, lr, weight_decay, momentum, alpha)
         torch.cuda.current_stream(device).synchronize()
-    assert torch.equal(fv, v) and torch.equal(weights[:, :n], w) and torch.equal(staged[:, :n], c)
-    assert (staged[:, n:] == 1).all() and torch.equal(weights[:, n:], buffers), "buffers and weights untouched"
+    assert torch.equal(fv, v) and torch.equal(weights[:, :n], w) and torch.equal(staging[:, :n], g)
+    assert (staging[:, n:] == 1).all() and torch.equal(weights[:, n:], buffers), "buffers and weights untouched"
 
 
 @pytest.mark.mpi(min_size=1)
