@@ -60,8 +60,9 @@ def test_learners_that_share_z_hold_their_buffers_alone_and_the_footprint_adds_u
     assert bytes_per_learner(learners, engine.activations.bytes) == row * 4 + engine.activations.bytes
 
 
-def test_sma_with_another_optimizer_stages_its_corrections_in_rows_of_their_own():
-    """AdamW's step reads the gradient after the correction is taken from the weights it then changes."""
+def test_sma_with_another_optimizer_holds_no_momentum_and_stages_its_corrections_in_rows_of_their_own():
+    """AdamW's state replaces the momentum; its step reads the gradient after the correction is taken from the
+    weights it then changes."""
     torch.manual_seed(0)
     module = mlp_bn()
     layout = FlatLayout(module)
@@ -75,7 +76,8 @@ def test_sma_with_another_optimizer_stages_its_corrections_in_rows_of_their_own(
     engine.local_step(sma, 0.1)
     assert torch.equal(learners.grads, gradients) and sma.staged is not learners.staging
     parts = footprint(central, learners, sma, None, concurrent=1, batch_bytes=0)
-    assert parts["message"] == 2 * (layout.num_state + 1) * 4
+    assert parts["message"] == 2 * (layout.num_state + 1) * 4 and parts["learner_momenta"] == 0
+    assert not learners.state_dict()["momentum"].any()
 
 
 @pytest.mark.mpi(min_size=1)

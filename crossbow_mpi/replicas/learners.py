@@ -85,7 +85,8 @@ class Learners:
     after whose every sync each learner equals z: a copy of z would be written every step and read by the next
     forward pass, twice z's bytes through the caches for nothing). Its float buffers are always its own row's.
     While `shares_z` the learners hold no parameter columns and no momentum (no algorithm that shares z reads a
-    learner's momentum): `weights` holds the float buffers alone and `momentum` has no columns.
+    learner's momentum): `weights` holds the float buffers alone and `momentum` has no columns. Nor has it while
+    each learner steps with an optimizer (`use_optimizer`), whose state replaces the momentum.
     Its gradients are not bound: autograd writes them fresh and `take_gradients` moves them into its row of
     `grads` after its backward passes. Learners stay in training mode (evaluation runs the central model)."""
 
@@ -158,6 +159,7 @@ class Learners:
         assert not self.shares_z, "a learner's optimizer steps its own row"
         self.optimizer_fn = optimizer_fn
         self.optimizers = RowOptimizers(optimizer_fn, self.params)
+        self.momentum = self.momentum.new_zeros((self.k, 0))
 
     def share_z(self, shares: bool) -> None:
         """Bind every learner's parameters to z (True: their columns and momenta are freed) or to its own row,
@@ -181,10 +183,12 @@ class Learners:
         take_gradients(self.trainable[j], self.grad_views[j])
 
     def state_dict(self) -> dict:
-        """Return every learner's full state vector and momentum (zero while `shares_z`), in contiguous order, and
-        its optimizer's state where it has one."""
+        """Return every learner's full state vector and momentum (zero where the learners hold none), in contiguous
+        order, and its optimizer's state where it has one."""
         weights = torch.cat([self.params, self.buffers], dim=1)
-        momentum = self.momentum.new_zeros((self.k, self.layout.num_params)) if self.shares_z else self.momentum
+        momentum = (
+            self.momentum if self.momentum.shape[1] else self.momentum.new_zeros((self.k, self.layout.num_params))
+        )
         state = {"weights": self.layout.to_logical(weights), "momentum": self.layout.to_logical(momentum)}
         if self.optimizers is None:
             return state
@@ -207,7 +211,7 @@ class Learners:
             return
         fit = min(self.k, len(state["weights"]))
         self.weights[:fit] = self.layout.from_logical(state["weights"][:fit])[:, self.own_columns]
-        if not self.shares_z:
+        if self.momentum.shape[1]:
             self.momentum[:fit] = self.layout.from_logical(state["momentum"][:fit])
 
     def take_extra_state(self) -> None:
