@@ -3,6 +3,7 @@ of a run's records. (The fixtures are in conftest.py; the single-process referen
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +51,15 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, cwd: Path = REPO)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     cmd = [*mpirun_command(ranks), sys.executable, "-m", "crossbow_mpi.train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    """Return every file under `directory` by relative path, with its SHA-256."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def run_tool(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

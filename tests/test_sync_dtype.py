@@ -13,7 +13,7 @@ from crossbow_mpi.comm import MpiCommunicator
 from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
 from crossbow_mpi.config import ConfigError
 
-from helpers import datasets, mlp, mlp_bn, run_config
+from helpers import datasets, digest, mlp, mlp_bn, run_config
 from reference import relative_error
 
 
@@ -72,5 +72,47 @@ def huge_running_var() -> nn.Module:
 def test_fp16_refuses_a_model_beyond_its_range_naming_the_layer(comm, shared_tmp):
     train, test = datasets(comm.size, 1)
     cfg = run_config(shared_tmp, learners=1, sync_dtype="fp16")
-    with pytest.raises(ConfigError, match=r"--sync-dtype fp16: 2\.running_var holds values beyond"):
+    with pytest.raises(ConfigError, match=r"--sync-dtype fp16: 2\.running_var holds values beyond .* at start-up"):
         Trainer(cfg, comm).fit(huge_running_var, train, test)
+    assert not (shared_tmp / "run").exists()  # refused before anything was written
+
+
+class Counting(nn.Module):
+    """Adds `by` to a float buffer at every training pass: beyond float16's range after one pass with 1e5."""
+
+    def __init__(self, by: float = 1e5):
+        super().__init__()
+        self.by = by
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += self.by
+        return x
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["sma", "elastic"])
+def test_fp16_refuses_a_message_beyond_its_range_at_the_first_sync_naming_the_layer(comm, shared_tmp, algorithm):
+    train, test = datasets(comm.size, 1)
+    cfg = run_config(shared_tmp, learners=1, sync_dtype="fp16", algorithm=algorithm)
+    with pytest.raises(ConfigError, match=r"--sync-dtype fp16: 1\.seen holds values beyond .* at the first sync"):
+        Trainer(cfg, comm).fit(lambda: nn.Sequential(mlp(), Counting()), train, test)
+    comm.barrier()
+    assert not (shared_tmp / "run").exists()  # what the run wrote before its first sync is gone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resume_refused_at_its_first_fp16_sync_leaves_every_file_as_it_was(comm, shared_tmp):
+    train, test = datasets(comm.size, 1)
+    fp16 = dict(learners=1, sync_dtype="fp16", sync_every=2, checkpoint_every=1, keep_checkpoints=1)
+    Trainer(run_config(shared_tmp, **fp16), comm).fit(lambda: nn.Sequential(mlp(), Counting(1.0)), train, test)
+    run = shared_tmp / "run"
+    if comm.rank == 0:
+        (run / "checkpoint-000000099.h5.tmp").write_bytes(b"left by a killed run")
+    before = digest(run) if comm.rank == 0 else None
+    cfg = run_config(shared_tmp, **fp16, epochs=2, resume=True)
+    with pytest.raises(ConfigError, match=r"1\.seen holds values beyond .* at the first sync"):
+        Trainer(cfg, comm).fit(lambda: nn.Sequential(mlp(), Counting()), train, test)
+    if comm.rank == 0:
+        assert digest(run) == before  # its config.json, a checkpoint and the pruning of the old one are undone
