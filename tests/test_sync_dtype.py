@@ -11,9 +11,11 @@ from torch import nn
 from crossbow_mpi import Trainer
 from crossbow_mpi.comm import MpiCommunicator
 from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
+from crossbow_mpi.comm.int8 import BLOCK, Feedback
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import datasets, digest, mlp, mlp_bn, run_config
+from helpers import datasets, digest, mlp, mlp_bn, resume_config, resume_fit, run_config
 from reference import relative_error
 
 
@@ -116,3 +118,76 @@ def test_a_resume_refused_at_its_first_fp16_sync_leaves_every_file_as_it_was(com
         Trainer(cfg, comm).fit(lambda: nn.Sequential(mlp(), Counting()), train, test)
     if comm.rank == 0:
         assert digest(run) == before  # its config.json, a checkpoint and the pruning of the old one are undone
+
+
+def int8_reference(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """crossbow_mpi.comm.int8's cast in float64: return q s of x + residual and leave the new residual in place."""
+    y = (x + residual).view(-1, BLOCK)
+    scales = y.abs().amax(1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    sent = (torch.round(y / scales[:, None]).clamp(-127, 127) * scales[:, None]).view(-1)
+    residual.copy_(y.view(-1) - sent)
+    return sent
+
+
+def ring_int8_reference(rows: list[torch.Tensor], residuals: list[torch.Tensor], owned: list[torch.Tensor]):
+    """The int8 ring in float64: every rank's payload cast with its residual, each chunk's sum cast by its owner."""
+    p, n = len(rows), rows[0].numel()
+    chunk = BLOCK * -(-n // (p * BLOCK))
+    sent = [
+        int8_reference(torch.cat([row, row.new_zeros(p * chunk - n)]), e)
+        for row, e in zip(rows, residuals, strict=True)
+    ]
+    sums = torch.stack(sent).sum(0).view(p, chunk)
+    return torch.cat([int8_reference(sums[r], owned[r]) for r in range(p)])[:n]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("numel", [1, 1001])
+def test_int8_syncs_follow_the_float64_equations_and_feed_their_errors_back(comm, numel):
+    feedback, p = Feedback(), comm.size
+    chunk = BLOCK * -(-numel // (p * BLOCK))
+    residuals = [torch.zeros(p * chunk, dtype=torch.float64) for _ in range(p)]
+    owned = [torch.zeros(chunk, dtype=torch.float64) for _ in range(p)]
+    mine = torch.randn(numel, generator=torch.Generator().manual_seed(comm.rank)) * 3
+    rows = [row.double() for row in everyone(comm, mine)]
+    exact, delivered = torch.stack(rows).sum(0), torch.zeros(numel, dtype=torch.float64)
+    for _ in range(8):
+        expected = ring_int8_reference(rows, residuals, owned)
+        got = mine.clone()
+        MpiCommunicator(comm.mpi_comm).allreduce_int8_(got, feedback)
+        assert relative_error(got.double(), expected) < 1e-5
+        assert relative_error(got.double(), exact) < 0.05
+        delivered += got.double()
+    quantum = exact.abs().max() / 127
+    assert (delivered - 8 * exact).abs().max() < 3 * p * quantum  # the errors do not add up over the syncs
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("outer", ["central", "nesterov"])
+def test_int8_syncs_stay_close_to_fp32_and_send_about_a_quarter(comm, shared_tmp, outer):
+    train, test = datasets(comm.size, 2)
+    results, records = {}, {}
+    for wire in ("fp32", "int8"):
+        cfg = run_config(shared_tmp / wire, learners=2, sync_every=2, outer_optimizer=outer, sync_dtype=wire)
+        results[wire] = Trainer(cfg, comm).fit(mlp, train, test).central
+        if comm.rank == 0:
+            records[wire] = [json.loads(line) for line in (shared_tmp / wire / "run" / "metrics.jsonl").open()][-1]
+    assert 0 < relative_error(results["int8"], results["fp32"]) < 5e-2
+    if comm.rank == 0:
+        assert 3.5 < records["fp32"]["comm_bytes"] / records["int8"]["comm_bytes"] < 4
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_int8_run_resumed_between_syncs_keeps_its_residuals_and_its_bits(comm, shared_tmp):
+    local = {"sync_every": 5, "outer_optimizer": "nesterov", "sync_dtype": "int8", "epochs": 2}
+    whole = resume_fit(comm, resume_config(shared_tmp / "whole", **local))
+    interrupted = shared_tmp / "interrupted"
+    resume_fit(comm, resume_config(interrupted, **local))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted)):
+            if path.name > "checkpoint-000000021.h5":  # 21 = 4 syncs + 1 local step
+                path.unlink()
+    comm.barrier()
+    resumed = resume_fit(comm, resume_config(interrupted, resume=True, **local))
+    assert resumed.iterations == whole.iterations and torch.equal(resumed.central, whole.central)

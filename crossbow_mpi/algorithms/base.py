@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.comm.int8 import Feedback, wire_bytes
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.flat import sum_rows
 from crossbow_mpi.replicas.learners import CentralModel, Learners
@@ -63,6 +64,8 @@ class Algorithm:
         """This rank's learner weight."""
         self.comm_bytes = 0
         """Bytes this rank sent in sync messages, by the ring allreduce's model: 2 (P − 1) / P of the payload."""
+        self.feedback = Feedback()
+        """This rank's residuals of its int8 casts (`--sync-dtype int8`)."""
         self.wire_checked = False
         """Whether this process's first float16 sync message was checked against float16's range (a resume checks
         its own first)."""
@@ -184,6 +187,12 @@ class Algorithm:
         """
         scope = scope or self.transport
         message, num_params = self.staged_message(scope, columns)
+        if self.hp.sync_dtype == "int8":  # the parameters' part; the buffers and the weights travel in float32
+            scope.allreduce_int8_(message[:num_params], self.feedback)
+            scope.allreduce_sum_(message[num_params:])
+            tail = (message.numel() - num_params) * message.element_size()
+            self.comm_bytes += ring_bytes(scope.size, wire_bytes(num_params)) + ring_bytes(scope.size, tail)
+            return message[:num_params], self.take_buffers(message, num_params)
         wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
         scope.allreduce_cast_(message, wire)
         self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
