@@ -268,3 +268,19 @@ def resume_fit(comm, cfg):
     train = synthetic_dataset((1, 6, 6), 10, 16 * 4 * 2 * comm.size, seed=2)
     test = synthetic_dataset((1, 6, 6), 10, 50, seed=3)
     return Trainer(cfg, comm).fit(resume_model, train, test)
+
+
+def resume_between_syncs(comm, tmp, local: dict):
+    """Return the `resume_fit` results of a whole run and of one resumed from its checkpoint after iteration 21 (with
+    `sync_every` 5: 4 syncs and 1 local step), with the config `local`, and the resumed run's directory."""
+    from crossbow_mpi.training.checkpoint import list_checkpoints
+
+    whole = resume_fit(comm, resume_config(tmp / "whole", **local))
+    interrupted = tmp / "interrupted"
+    resume_fit(comm, resume_config(interrupted, **local))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted)):
+            if path.name > "checkpoint-000000021.h5":
+                path.unlink()
+    comm.barrier()
+    return whole, resume_fit(comm, resume_config(interrupted, resume=True, **local)), interrupted
