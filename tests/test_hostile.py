@@ -329,6 +329,16 @@ def test_fp16_beyond_its_range_at_the_first_sync_is_one_line_and_leaves_no_run_d
 
 
 @pytest.mark.slow
+def test_int8_syncs_over_a_node_hierarchy_are_refused_at_start_up_and_write_nothing(tmp_path):
+    run = tmp_path / "run"
+    done = run_job(2, ["--run-dir", str(run), *TRAIN, "--sync-dtype", "int8", "--hierarchy", "node"])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("crossbow_mpi")]  # mpirun adds its banner
+    assert done.returncode == 2 and len(ours) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--sync-dtype int8 needs a flat MPI transport (--comm mpi --hierarchy flat)" in ours[0]
+    assert not run.exists()
+
+
+@pytest.mark.slow
 def test_a_round_larger_than_the_run_stops_at_its_epochs(tmp_path):
     run = tmp_path / "run"
     args = ["--run-dir", str(run), *TRAIN, "--algorithm", "hogbatch", "--round-samples", "1000000000000"]
