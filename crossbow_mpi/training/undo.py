@@ -4,7 +4,8 @@ Taken before the command writes: the directories and files under the run directo
 open descriptor. A run writes a file in one of two ways: it appends (metrics.jsonl, TensorBoard's events) or it
 writes a new file and renames it over the old name (checkpoints, config.json); it deletes only old checkpoints.
 So `restore` removes what is new, truncates an appended file to its old size, and copies a replaced or deleted
-file back from its descriptor, which still reads the old contents.
+file back from its descriptor, which still reads the old contents. The descriptors stay open until the command
+ends, so the space of a checkpoint that existed before and was pruned meanwhile is freed only then.
 """
 
 from __future__ import annotations
