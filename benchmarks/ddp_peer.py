@@ -11,10 +11,12 @@ at the first step and keeps running through evaluations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +37,23 @@ from crossbow_mpi.training.hooks import hits
 EVAL_BATCH = 1000
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.ddp_peer", description=__doc__.splitlines()[0])
+@dataclass
+class Syncs:
+    """Another peer's way of keeping the ranks' models together than DDP's or local SGD's (torchft_peer)."""
+
+    name: str
+    every: int
+    """Steps between syncs of every parameter (for `comm_bytes`)."""
+    open: Callable[[torch.nn.Module, torch.optim.Optimizer], contextlib.AbstractContextManager]
+    """What the training loop runs inside, given the model and its (inner) optimizer."""
+
+
+def parse_args(
+    extra: Callable[[argparse.ArgumentParser], None] | None = None, prog: str = "benchmarks.ddp_peer"
+) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=__doc__.splitlines()[0])
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl")
     parser.add_argument("--model", default="lenet")
     parser.add_argument("--dataset", default="mnist")
@@ -161,10 +178,16 @@ class Progress:
         self.losses, self.window_samples, self.window_time = [], 0, 0.0
 
 
-def main() -> None:
-    args = parse_args()
+def main(
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    syncs: Callable[[argparse.Namespace], Syncs] | None = None,
+    prog: str = "benchmarks.ddp_peer",
+) -> None:
+    """Train with DDP or local SGD, or with `syncs(args)` (made once the gloo group is up), the flags given `extra`."""
+    args = parse_args(extra, prog)
     torch.set_num_threads(args.threads)
     rank, _ = init_process_group()
+    peer = syncs(args) if syncs is not None else None
     train_set, test_set = build_dataset(args.dataset, args.data_dir, args.seed, args.seq_len)
     torch.manual_seed(args.seed)
     net = build_model(args.model, train_set.input_shape, train_set.num_classes, args.model_args)
@@ -178,17 +201,21 @@ def main() -> None:
             with metrics.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
 
-    write(train(args, net, train_set, test_set, write))
+    write(train(args, net, train_set, test_set, write, peer))
     dist.destroy_process_group()
 
 
-def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, write) -> dict:
-    """Train DDP S-SGD to the target or a limit, writing each evaluation's record; return the summary record."""
+def train(
+    args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, write, peer: Syncs | None = None
+) -> dict:
+    """Train DDP S-SGD (local SGD, `peer`) to the target or a limit, writing each evaluation's record; return the
+    summary record."""
     rank, world = dist.get_rank(), dist.get_world_size()
     channels_last = args.memory_format == "channels_last"
     if channels_last:
         net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's hints omit it
-    model = DistributedDataParallel(net) if not args.local_sgd_every else broadcast(net)  # rank 0's initial weights
+    averaged = args.local_sgd_every or peer is not None
+    model = DistributedDataParallel(net) if not averaged else broadcast(net)  # rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
     if args.optimizer == "adamw":
@@ -202,6 +229,9 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         )
     if args.local_sgd_every:
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=args.local_sgd_every))
+    syncing = contextlib.ExitStack()
+    if peer is not None:
+        syncing.enter_context(peer.open(net, optimizer))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
     next_eval, record, time_to_target, time_limited = args.eval_every, None, None, False
     loss_fn = token_cross_entropy if args.model in LANGUAGE_MODELS else F.cross_entropy
@@ -237,8 +267,11 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
             if args.time_limit and past(progress.started, args.time_limit):
                 time_limited = True
                 break
+    syncing.close()
     if record is None or record["iteration"] != progress.iterations:
         record = evaluate_and_write()
+    every = peer.every if peer is not None else args.local_sgd_every
+    name = peer.name if peer is not None else f"local-sgd H={every}" if every else "ddp"
     return {
         "event": "summary",
         "reached": time_to_target is not None,
@@ -254,8 +287,8 @@ def train(args: argparse.Namespace, net: torch.nn.Module, train_set, test_set, w
         "samples": progress.samples,
         "learners": 1,
         "world_size": world,
-        "algorithm": f"local-sgd H={args.local_sgd_every}" if args.local_sgd_every else "ddp",
-        "comm_bytes": comm_bytes(net, world, progress.iterations, args.local_sgd_every),
+        "algorithm": name,
+        "comm_bytes": comm_bytes(net, world, progress.iterations, every),
         "threads_per_rank": torch.get_num_threads(),
         "device": "cpu",
         **({"compile_s": compile_s} if args.compile else {}),

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1"}
-TRAINERS = {"crossbow": "crossbow_mpi.train", "ddp": "benchmarks.ddp_peer"}
+TRAINERS = {"crossbow": "crossbow_mpi.train", "ddp": "benchmarks.ddp_peer", "torchft": "benchmarks.torchft_peer"}
 NEVER = 10**9
 """An evaluation interval past the end of any run: evaluate once, at the end."""
 
@@ -340,7 +340,7 @@ def _train_once(
     trainer: str, ranks: int, flags: dict, timeout: float, wrap: Wrap | None = None, env: dict | None = None
 ) -> list[dict]:
     """Run the training CLI once in a fresh run directory; return its metrics.jsonl records."""
-    if trainer == "ddp":
+    if trainer in ("ddp", "torchft"):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
         args = ["-m", TRAINERS[trainer], "--run-dir", run_dir]

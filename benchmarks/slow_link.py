@@ -3,13 +3,15 @@
 The nodes are network namespaces (launch/netns_nodes.sh, needs root); --quick runs on this host's loopback,
 without a limit. Variants: per-step SMA; SMA syncing every H steps with `central` and `nesterov` (DiLoCo's outer
 step), each with fp32 and bf16 payloads; PyTorch's local SGD (PostLocalSGDOptimizer + PeriodicModelAverager over
-gloo, benchmarks/ddp_peer.py) at the same H; and streamed syncs (nesterov, bf16, 4 fragments; `--sync-delay`
+gloo, benchmarks/ddp_peer.py) and, where the `torchft` package imports, torchft's DiLoCo (benchmarks/torchft_peer.py)
+at the same H (not in --quick); and streamed syncs (nesterov, bf16, 4 fragments; `--sync-delay`
 overlaps fp32 syncs only, and is not a variant). Rows: medians over seeds of the time to the target and of the bytes
 each rank sent per training sample (`comm_bytes`, the ring allreduce's model for every trainer).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -19,6 +21,8 @@ from pathlib import Path
 
 from benchmarks import harness
 
+TORCHFT = importlib.util.find_spec("torchft") is not None
+"""Whether torchft's DiLoCo (benchmarks/torchft_peer.py) is a variant: only where this interpreter imports it."""
 SCRIPT = harness.REPO / "launch" / "netns_nodes.sh"
 NODES = 2
 SUBNET = "10.215.0"
@@ -40,6 +44,8 @@ class Budget:
     outers: tuple[str, ...]
     fragments: tuple[int, ...]
     """Streamed variants (nesterov, bf16): fragments F."""
+    torchft: bool = True
+    """Whether torchft's DiLoCo is a variant where it imports (its lighthouse and managers start in about 15 s)."""
 
 
 FULL = Budget(
@@ -54,7 +60,7 @@ FULL = Budget(
     ("central", "nesterov"),
     (4,),
 )
-QUICK = Budget(("host",), (4,), "synthetic-mnist", 0, 0.005, harness.NEVER, 120, ("bf16",), ("nesterov",), ())
+QUICK = Budget(("host",), (4,), "synthetic-mnist", 0, 0.005, harness.NEVER, 120, ("bf16",), ("nesterov",), (), False)
 FLAGS = {"model": "lenet", "batch_size": 64, "lr": 0.01, "momentum": 0.9, "threads": 1}
 COLUMNS = ["link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"]
 
@@ -72,6 +78,8 @@ def variants(budget: Budget) -> dict[str, tuple[str, dict]]:
             flags = {"algorithm": "sma", "learners": 1, "sync_every": h, **streamed}
             found[f"sma H={h} nesterov bf16 F={f}"] = ("crossbow", flags)
         found[f"local-sgd H={h}"] = ("ddp", {"local_sgd_every": h})
+        if TORCHFT and budget.torchft:
+            found[f"torchft-diloco H={h}"] = ("torchft", {"diloco_every": h})
     return found
 
 

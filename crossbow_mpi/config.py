@@ -20,7 +20,7 @@ EAGER_MODES = ("solo", "majority")
 SCHEDULES = ("gpipe", "1f1b")
 CUTS = ("params", "time")
 OUTER_OPTIMIZERS = ("central", "nesterov", "sgd")
-SYNC_DTYPES = ("fp32", "bf16", "fp16")
+SYNC_DTYPES = ("fp32", "bf16", "fp16", "int8")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
 RANK_LOSS = ("abort", "continue")
@@ -205,7 +205,9 @@ class Config:
     `fragments`; 0: blocking). The learners' progress on the synced columns in those steps is replaced by z's."""
     sync_dtype: str = "fp32"
     """SMA and `elastic`: the sync message's type on the wire, `fp32`, `bf16` or `fp16` (MPI transports): each
-    rank's payload is cast for the wire and the sums are taken in float32."""
+    rank's payload is cast for the wire and the sums are taken in float32. SMA also `int8` (flat MPI, no
+    fragments): the parameters' part in blocks of 256 int8 values with a float32 scale each, every rank adding the
+    residual of its previous cast to its next payload (error feedback; crossbow_mpi.comm.int8)."""
     merge_momentum: float = 0.0
     """elastic with `local_momentum`: momentum μ_z of the central model's step to each round's merged model (0: z
     becomes the merged model). Without `local_momentum` the merge takes `momentum`."""
@@ -479,6 +481,8 @@ class Config:
                 )
         if changed and self.algorithm not in ("sma", "elastic"):
             raise ConfigError(f"{changed[0]} applies to --algorithm sma, not {self.algorithm}")
+        if self.sync_dtype == "int8" and (self.algorithm != "sma" or self.fragments > 1):
+            raise ConfigError("--sync-dtype int8 applies to --algorithm sma without --fragments (use bf16 there)")
         if self.fragments > 1 and self.outer_optimizer == "central":
             raise ConfigError("--fragments needs --outer-optimizer nesterov or sgd: `central` moves every parameter")
         if self.sync_every % self.fragments:

@@ -3,6 +3,7 @@ of a run's records. (The fixtures are in conftest.py; the single-process referen
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +51,15 @@ def run_job(ranks: int, args: list[str], timeout: float = 120, cwd: Path = REPO)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     cmd = [*mpirun_command(ranks), sys.executable, "-m", "crossbow_mpi.train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    """Return every file under `directory` by relative path, with its SHA-256."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def run_tool(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -258,3 +268,19 @@ def resume_fit(comm, cfg):
     train = synthetic_dataset((1, 6, 6), 10, 16 * 4 * 2 * comm.size, seed=2)
     test = synthetic_dataset((1, 6, 6), 10, 50, seed=3)
     return Trainer(cfg, comm).fit(resume_model, train, test)
+
+
+def resume_between_syncs(comm, tmp, local: dict):
+    """Return the `resume_fit` results of a whole run and of one resumed from its checkpoint after iteration 21 (with
+    `sync_every` 5: 4 syncs and 1 local step), with the config `local`, and the resumed run's directory."""
+    from crossbow_mpi.training.checkpoint import list_checkpoints
+
+    whole = resume_fit(comm, resume_config(tmp / "whole", **local))
+    interrupted = tmp / "interrupted"
+    resume_fit(comm, resume_config(interrupted, **local))
+    if comm.rank == 0:
+        for path in list_checkpoints(str(interrupted)):
+            if path.name > "checkpoint-000000021.h5":
+                path.unlink()
+    comm.barrier()
+    return whole, resume_fit(comm, resume_config(interrupted, resume=True, **local)), interrupted

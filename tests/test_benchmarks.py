@@ -1,6 +1,7 @@
 """Every benchmark's quick mode runs and writes well-formed results (never checks speeds)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -270,3 +271,22 @@ def test_a_setting_that_diverges_at_every_grid_rate_tries_lower_ones_until_one_t
     assert not report.missing and len(final) == 1
     if stable_below:
         assert final[0]["lr"] == tried[-1] and final[0]["reached"] == "1/1"
+
+
+@pytest.mark.slow
+def test_the_torchft_peer_syncs_with_diloco_every_h_steps_and_writes_ddp_peers_records(tmp_path):
+    pytest.importorskip("torchft")
+    from benchmarks import harness
+
+    from helpers import mpirun_command
+
+    flags = ["--dataset", "synthetic-mnist", "--epochs", "0.02", "--target-accuracy", "0", "--diloco-every", "4"]
+    env = {**harness.MPI_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(harness._free_port())}
+    command = [*mpirun_command(2), sys.executable, "-m", "benchmarks.torchft_peer", "--run-dir", str(tmp_path), *flags]
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["algorithm"] == "torchft-diloco H=4" and summary["iterations"] == 10
+    assert done.stderr.count("should_commit completed should_commit=true") == 2 * 2  # 2 syncs, on each replica
+    lenet_bytes = 431_080 * 4
+    assert summary["comm_bytes"] == 2 * lenet_bytes  # 2 syncs, each 2 (P − 1) / P of the parameters

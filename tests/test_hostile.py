@@ -3,7 +3,6 @@ no hang, and nothing changed on disk (every file of a pre-existing run directory
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, assert_user_error, mpirun_command, run_job, run_tool
+from helpers import REPO, assert_user_error, digest, mpirun_command, run_job, run_tool
 
 TRAIN = ["--dataset", "synthetic-mnist", "--model", "mlp", "--epochs", "0.02", "--threads", "1"]
 
@@ -25,15 +24,6 @@ def run_command(ranks: int, args: list[str], timeout: float = 120) -> subprocess
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     cmd = [*mpirun_command(ranks), sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-
-
-def digest(directory: Path) -> dict[str, str]:
-    """Return every file under `directory` by relative path, with its SHA-256."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -325,6 +315,27 @@ def test_resuming_with_other_pipeline_stages_says_so_and_changes_nothing(tmp_pat
     assert done.returncode == 2 and len(ours) == 1, done.stderr
     assert "was written with --pipeline-stages 2: resume with it" in ours[0]
     assert digest(run) == before
+
+
+@pytest.mark.slow
+def test_fp16_beyond_its_range_at_the_first_sync_is_one_line_and_leaves_no_run_directory(tmp_path):
+    run = tmp_path / "new" / "run"
+    fp16 = ["--sync-dtype", "fp16", "--sync-every", "2", "--outer-optimizer", "nesterov", "--checkpoint-every", "1"]
+    done = run_job(2, ["--run-dir", str(run), *TRAIN, "--algorithm", "sma", *fp16, "--lr", "1e5"])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("crossbow_mpi")]  # mpirun adds its banner
+    assert done.returncode == 2 and len(ours) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--sync-dtype fp16: layers.1.weight holds values beyond float16's range (65504) at the first sync" in ours[0]
+    assert digest(tmp_path) == {} and not (tmp_path / "new").exists()  # a checkpoint was written before the sync
+
+
+@pytest.mark.slow
+def test_int8_syncs_over_a_node_hierarchy_are_refused_at_start_up_and_write_nothing(tmp_path):
+    run = tmp_path / "run"
+    done = run_job(2, ["--run-dir", str(run), *TRAIN, "--sync-dtype", "int8", "--hierarchy", "node"])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("crossbow_mpi")]  # mpirun adds its banner
+    assert done.returncode == 2 and len(ours) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--sync-dtype int8 needs a flat MPI transport (--comm mpi --hierarchy flat)" in ours[0]
+    assert not run.exists()
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from helpers import (
     mlp,
     mlp_bn,
     mlp_bn_float64,
+    resume_between_syncs,
     resume_config,
     resume_fit,
     run_config,
@@ -109,15 +110,7 @@ def test_resume_with_adamw_is_bit_identical_and_stores_the_optimizer_state(comm,
         recipe["round_samples"] = 2 * 4 * comm.size
     if algorithm == "omnivore":  # one group: deterministic; its batch of 4 per rank
         recipe["batch_size"] = 4 * comm.size
-    whole = resume_fit(comm, resume_config(shared_tmp / "whole", **recipe))
-    interrupted = shared_tmp / "interrupted"
-    resume_fit(comm, resume_config(interrupted, **recipe))
-    if comm.rank == 0:
-        for path in list_checkpoints(str(interrupted)):
-            if path.name > "checkpoint-000000021.h5":
-                path.unlink()
-    comm.barrier()
-    resumed = resume_fit(comm, resume_config(interrupted, resume=True, **recipe))
+    whole, resumed, interrupted = resume_between_syncs(comm, shared_tmp, recipe)
     assert torch.equal(resumed.central, whole.central)
     if comm.rank == 0:
         with h5py.File(list_checkpoints(str(interrupted))[-1]) as f:

@@ -11,9 +11,18 @@ from crossbow_mpi import Config, Trainer
 from crossbow_mpi.comm.hierarchical import HierarchicalCommunicator
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.sampler import GlobalSampler
-from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import BATCH, STEPS, datasets, mlp, mlp_bn_float64, resume_config, resume_fit, run_config
+from helpers import (
+    BATCH,
+    STEPS,
+    datasets,
+    mlp,
+    mlp_bn_float64,
+    resume_between_syncs,
+    resume_config,
+    resume_fit,
+    run_config,
+)
 from reference import load_state, relative_error, sgd_reference, state_of
 
 
@@ -164,6 +173,11 @@ def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm,
         ({"outer_momentum": 1.0}, "--outer-momentum must be below 1"),
         ({"outer_lr": 0.0}, "--outer-lr must be positive"),
         ({"sync_dtype": "int4"}, "--sync-dtype: unknown value 'int4'"),
+        ({"algorithm": "elastic", "sync_dtype": "int8"}, "--sync-dtype int8 applies to --algorithm sma without"),
+        (
+            {"sync_every": 4, "fragments": 2, "outer_optimizer": "sgd", "sync_dtype": "int8"},
+            "--sync-dtype int8 applies to --algorithm sma without --fragments",
+        ),
         ({"sync_every": 4, "sync_every_node": 4, "hierarchy": "node"}, "--sync-every-node 4 must be below"),
         ({"sync_every": 4, "fragments": 2}, "--fragments needs --outer-optimizer nesterov or sgd"),
         ({"sync_every": 4, "fragments": 3, "outer_optimizer": "sgd"}, "--fragments 3 must divide --sync-every 4"),
@@ -187,15 +201,7 @@ def test_bad_sync_settings_are_refused_in_one_line(overrides, message):
 @pytest.mark.mpi(min_size=1)
 def test_resume_between_syncs_is_bit_identical_and_reshards(comm, shared_tmp):
     local = {"sync_every": 5, "outer_optimizer": "nesterov"}
-    whole = resume_fit(comm, resume_config(shared_tmp / "whole", **local))
-    interrupted_dir = shared_tmp / "interrupted"
-    resume_fit(comm, resume_config(interrupted_dir, **local))
-    if comm.rank == 0:
-        for path in list_checkpoints(str(interrupted_dir)):
-            if path.name > "checkpoint-000000021.h5":  # 21 = 4 syncs + 1 local step
-                path.unlink()
-    comm.barrier()
-    resumed = resume_fit(comm, resume_config(interrupted_dir, resume=True, **local))
+    whole, resumed, interrupted_dir = resume_between_syncs(comm, shared_tmp, local)
     assert resumed.iterations == whole.iterations and torch.equal(resumed.central, whole.central)
     resharded = resume_fit(comm, resume_config(interrupted_dir, resume=True, learners=3, **local))
     assert resharded.iterations == whole.iterations and torch.isfinite(resharded.central).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm import Communicator
+from crossbow_mpi.comm.int8 import Feedback, wire_bytes
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.flat import sum_rows
 from crossbow_mpi.replicas.learners import CentralModel, Learners
@@ -65,6 +66,11 @@ class Algorithm:
         """This rank's learner weight."""
         self.comm_bytes = 0
         """Bytes this rank sent in sync messages, by the ring allreduce's model: 2 (P − 1) / P of the payload."""
+        self.feedback = Feedback()
+        """This rank's residuals of its int8 casts (`--sync-dtype int8`)."""
+        self.wire_checked = False
+        """Whether this process's first float16 sync message was checked against float16's range (a resume checks
+        its own first)."""
 
     def step(self, lr: float) -> None:
         """Apply one iteration's local update and synchronisation."""
@@ -137,9 +143,9 @@ class Algorithm:
             sum_rows(self.staged, out=self.message)
         return self.message
 
-    def refuse_overflow(self, message: torch.Tensor, scope: Communicator) -> None:
-        """Raise ConfigError on every rank when a rank's first float16 message holds a value beyond float16's range,
-        naming the first tensor (collective)."""
+    def refuse_overflow(self, message: torch.Tensor, scope: Communicator, when: str) -> None:
+        """Raise WireOverflow on every rank when a rank's `message` holds a value beyond float16's range, naming the
+        first tensor and `when` (collective)."""
         beyond = (message[:-1].abs() > torch.finfo(torch.float16).max).nonzero()
         first = [int(beyond[0]) if len(beyond) else -1]
         found = [i for [i] in scope.allgather_json(first) if i >= 0]
@@ -147,17 +153,25 @@ class Algorithm:
             layout = self.learners.layout
             slots = (*layout.param_slots, *layout.buffer_slots)
             slot = max((s for s in slots if s.offset <= min(found)), key=lambda s: s.offset)
-            raise ConfigError(
-                f"--sync-dtype fp16: {slot.module}.{slot.name} holds values beyond float16's range (65504) at the "
-                "first sync; use --sync-dtype bf16"
+            raise WireOverflow(
+                f"--sync-dtype fp16: {slot.module}.{slot.name} holds values beyond float16's range (65504) {when}; "
+                "use --sync-dtype bf16"
             )
+
+    def dry_message(self) -> torch.Tensor:
+        """Return what a sync message would carry now that is known before the first step: no parameter part (the
+        learners equal z), this rank's learners' float buffers summed and weighted, and the weight."""
+        learners = self.learners
+        buffers = learners.buffers.sum(0) * self.weight
+        return torch.cat([buffers.new_zeros(learners.layout.num_params), buffers, buffers.new_ones(1)])
 
     def staged_message(self, scope: Communicator, columns: slice | None = None) -> tuple[torch.Tensor, int]:
         """Return the sync message (the staged rows' sum; with `columns`, only those columns of its first part) and
         the length of its first part; a float16 wire refuses a first message beyond float16's range."""
         num_params, message = self.learners.layout.num_params, self.sum_staged()
-        if self.hp.sync_dtype == "fp16" and scope.size > 1 and not self.comm_bytes:
-            self.refuse_overflow(message, scope)
+        if self.hp.sync_dtype == "fp16" and scope.size > 1 and not self.wire_checked:
+            self.refuse_overflow(message, scope, "at the first sync")
+            self.wire_checked = True
         if columns is not None:
             message, num_params = torch.cat([message[columns], message[num_params:]]), columns.stop - columns.start
         return message, num_params
@@ -175,6 +189,12 @@ class Algorithm:
         """
         scope = scope or self.transport
         message, num_params = self.staged_message(scope, columns)
+        if self.hp.sync_dtype == "int8":  # the parameters' part; the buffers and the weights travel in float32
+            scope.allreduce_int8_(message[:num_params], self.feedback)
+            scope.allreduce_sum_(message[num_params:])
+            tail = (message.numel() - num_params) * message.element_size()
+            self.comm_bytes += ring_bytes(scope.size, wire_bytes(num_params)) + ring_bytes(scope.size, tail)
+            return message[:num_params], self.take_buffers(message, num_params)
         wire = WIRE_DTYPES.get(self.hp.sync_dtype, message.dtype)
         scope.allreduce_cast_(message, wire)
         self.comm_bytes += ring_bytes(scope.size, message.numel() * wire.itemsize)
@@ -185,6 +205,10 @@ class Algorithm:
         carried = message[-1:]
         torch.div(message[num_params:-1], carried, out=self.central.buffers)
         return carried
+
+
+class WireOverflow(ConfigError):
+    """`--sync-dtype fp16` with a sync message beyond float16's range."""
 
 
 def ring_bytes(ranks: int, payload: int) -> int:

@@ -94,6 +94,12 @@ class ElasticAveraging(RoundsAlgorithm):
         self.round_steps = 0
         return position
 
+    def dry_message(self) -> torch.Tensor:
+        """The merge carries the learners' parameters themselves (weighted by at least 1 step)."""
+        message = super().dry_message()
+        message[: self.learners.layout.num_params] = self.learners.params.sum(0)
+        return message
+
     def meet(self) -> None:
         """Give every rank the server rank's non-float buffers (z is the same on every rank after a round)."""
         self.share_extra_state()

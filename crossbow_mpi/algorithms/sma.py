@@ -66,8 +66,11 @@ class SynchronousModelAveraging(Algorithm):
         """The parameter columns each sync carries in turn (None: all)."""
         self.fragment = 0
         """The fragment the next sync carries."""
-        if hp.sync_delay and (not hasattr(transport, "iallreduce_sum_") or transport.hierarchy != "flat"):
+        flat_mpi = hasattr(transport, "iallreduce_sum_") and transport.hierarchy == "flat"
+        if hp.sync_delay and not flat_mpi:
             raise ConfigError("--sync-delay needs a flat MPI transport (--comm mpi --hierarchy flat)")
+        if hp.sync_dtype == "int8" and not flat_mpi:
+            raise ConfigError("--sync-dtype int8 needs a flat MPI transport (--comm mpi --hierarchy flat)")
         self.since_sync = 0
         """Local steps taken since the last sync."""
         self.in_flight: tuple | None = None

@@ -6,9 +6,13 @@ import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from crossbow_mpi.comm.int8 import Feedback
 
 POLL_MIN_S = 5e-5
 POLL_MAX_S = 1e-3
@@ -49,6 +53,12 @@ class Communicator(ABC):
         from crossbow_mpi.config import ConfigError
 
         raise ConfigError(f"--sync-dtype applies to --comm mpi: {type(self).__name__} sends the message's own type")
+
+    def allreduce_int8_(self, tensor: torch.Tensor, feedback: Feedback) -> Reduction:
+        """`allreduce_sum_` of a float32 host tensor as int8 blocks with error feedback (flat MPI transports)."""
+        from crossbow_mpi.config import ConfigError
+
+        raise ConfigError(f"--sync-dtype int8 applies to --comm mpi --hierarchy flat, not {type(self).__name__}")
 
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_mpi.comm.base import Communicator, Reduction
+from crossbow_mpi.comm.int8 import BLOCK, Feedback, dequantise
 
 
 class MpiCommunicator(Communicator):
@@ -35,6 +36,28 @@ class MpiCommunicator(Communicator):
         own = received.view(p, chunk).float().sum(0).to(dtype)
         self.mpi_comm.Allgather(_raw(own), _raw(wire))
         tensor.copy_(wire[:n].view(tensor.shape))
+        return Reduction(tensor, self.size)
+
+    def allreduce_int8_(self, tensor: torch.Tensor, feedback: Feedback) -> Reduction:
+        """The ring's two halves in int8 (crossbow_mpi.comm.int8): each rank sends its payload, cast with its
+        residual, to the chunks' owners (Alltoall), each owner sums the received chunks in float32 in rank order and
+        casts the sum with its own residual, and the cast sums are gathered (Allgather); every rank ends with the
+        same bits."""
+        if self.size == 1:
+            return Reduction(tensor, 1)
+        p, n = self.size, tensor.numel()
+        chunk = BLOCK * -(-n // (p * BLOCK))
+        payload = torch.zeros(p * chunk)
+        payload[:n] = tensor.reshape(-1)
+        q, scales = feedback.cast("payload", payload)
+        received, received_scales = torch.empty_like(q), torch.empty_like(scales)
+        self.mpi_comm.Alltoall(q.numpy(), received.numpy())
+        self.mpi_comm.Alltoall(scales.numpy(), received_scales.numpy())
+        own = dequantise(received, received_scales).view(p, chunk).sum(0)
+        own_q, own_scales = feedback.cast("sum", own)
+        self.mpi_comm.Allgather(own_q.numpy(), q.numpy())
+        self.mpi_comm.Allgather(own_scales.numpy(), scales.numpy())
+        tensor.copy_(dequantise(q, scales)[:n].view(tensor.shape))
         return Reduction(tensor, self.size)
 
     def iallreduce_sum_(self, tensor: torch.Tensor):

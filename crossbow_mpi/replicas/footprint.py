@@ -49,6 +49,7 @@ def footprint(central, learners, algorithm, activations: int | None, concurrent:
     whose passes run at once; `batch_bytes`: what the prefetcher holds)."""
     own = {_storage(learners.staging)}
     message = sum(_nbytes(t) for t in _distinct((algorithm.staged, algorithm.message)) if _storage(t) not in own)
+    message += sum(_nbytes(t) for t in algorithm.feedback.residuals.values())
     parts = {
         "z": _nbytes(central.z),
         "u": _nbytes(central.u),

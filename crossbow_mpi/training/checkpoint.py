@@ -20,6 +20,8 @@ Layout (format version 2; every JSON value is a string attribute, so `h5dump` sh
     /ranks/<r>/optimizer/<name>                rank r's learners' optimizer state (SMA, elastic with another
                                                optimizer than sgd: [k_r, num_params], or [k_r] for a count)
     /ranks/<r>/rng       uint8                 JSON of rank r's Python, NumPy and torch generator states
+    /ranks/<r>/wire/<name>                     rank r's residuals of its int8 sync casts (`--sync-dtype int8`,
+                                               crossbow_mpi.comm.int8; absent: none)
 
 With pipeline stages (M > 1) the central model is sharded by stage: /stages/<s>/central/{z,u,extra} hold stage s's
 shard (from rank s), rank r's learners are of stage r mod M, and layout_signature joins the stages' signatures.
@@ -95,6 +97,7 @@ def save(
         _bytes(learners["momentum"]),
         json.dumps(snapshot["rng"]).encode(),
         _pack(learners.get("optimizer", {})),
+        _pack(snapshot.get("wire", {})),
     ]
     gathered = [world.gather_bytes(part) for part in rank_parts]
     central = snapshot["central"]
@@ -143,18 +146,18 @@ def _unpack(data: bytes) -> dict[str, np.ndarray]:
     return state
 
 
-def _write_optimizer(group, data: bytes) -> None:
-    """Write packed optimizer state as the datasets of `group`/optimizer (nothing for none)."""
+def _write_optimizer(group, data: bytes, name: str = "optimizer") -> None:
+    """Write packed optimizer state as the datasets of `group`/`name` (nothing for none)."""
     state = _unpack(data)
     if state:
-        optimizer = group.create_group("optimizer")
+        optimizer = group.create_group(name)
         for name, array in state.items():
             optimizer.create_dataset(name, data=array)
 
 
-def _read_optimizer(f, group: str) -> bytes:
-    """Pack the optimizer state under `group`/optimizer (none where absent)."""
-    held = f.get(f"{group}/optimizer")
+def _read_optimizer(f, group: str, name: str = "optimizer") -> bytes:
+    """Pack the optimizer state under `group`/`name` (none where absent)."""
+    held = f.get(f"{group}/{name}")
     return _pack({} if held is None else {name: torch.from_numpy(held[name][...]) for name in held})
 
 
@@ -198,7 +201,7 @@ def _write(
             _write_optimizer(group, optimizer)
             sizes.append((group["z"].size, group["u"].size))
         for rank, parts in enumerate(zip(*gathered, strict=True)):
-            hyperparams, controllers, weights, momentum, rng, optimizer = parts
+            hyperparams, controllers, weights, momentum, rng, optimizer, wire = parts
             group = f.create_group(f"ranks/{rank}")
             group.attrs["hyperparams"] = hyperparams.decode()
             group.attrs["controllers"] = controllers.decode()
@@ -207,6 +210,7 @@ def _write(
             group.create_dataset("momentum", data=np.frombuffer(momentum, dtype=dtype).reshape(-1, num_params))
             group.create_dataset("rng", data=np.frombuffer(rng, dtype=np.uint8))
             _write_optimizer(group, optimizer)
+            _write_optimizer(group, wire, "wire")
         f.attrs["complete"] = True
         f.flush()
         os.fsync(f.id.get_vfd_handle())
@@ -319,8 +323,8 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
     z = _tensor(world.scatter_bytes(arrays.get("z")), header["dtype"])
     u = _tensor(world.scatter_bytes(arrays.get("u")), header["dtype"])
     extra = world.scatter_bytes(arrays.get("extra"))
-    weights, momentum, rng, optimizer = (
-        world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng", "optimizer")
+    weights, momentum, rng, optimizer, wire = (
+        world.scatter_bytes(arrays.get(name)) for name in ("weights", "momentum", "rng", "optimizer", "wire")
     )
     central_optimizer = _torch(_unpack(world.scatter_bytes(arrays.get("central_optimizer"))))
     mine = world.rank < header["world_size"]
@@ -343,6 +347,7 @@ def load(world: Communicator, run_dir: str, layout_signature: str) -> tuple[dict
         "central": {"z": z, "u": u, "extra": extra, "optimizer": central_optimizer},
         "learners": learners,
         "rng": json.loads(rng) if mine else None,
+        "wire": _torch(_unpack(wire)) if mine else {},
     }
     return snapshot, header["notes"]
 
@@ -367,6 +372,7 @@ def _read_arrays(path: str, world_size: int) -> dict:
             "momentum": per_rank("momentum"),
             "rng": per_rank("rng"),
             "optimizer": [_read_optimizer(f, f"ranks/{r}") if r < held else _pack({}) for r in range(world_size)],
+            "wire": [_read_optimizer(f, f"ranks/{r}", "wire") if r < held else _pack({}) for r in range(world_size)],
             "central_optimizer": [_read_optimizer(f, central_group(r % stages, stages)) for r in range(world_size)],
         }
 

@@ -268,6 +268,7 @@ class Run:
             "central": self.central.state_dict(),
             "learners": self.learners.state_dict(),
             "algorithm": self.algorithm.state_dict(),
+            "wire": self.algorithm.feedback.state_dict(),
             "choice": self.choice,
             "rng": copy.deepcopy(process.rng_state()),
         }
@@ -290,6 +291,7 @@ class Run:
         if not same:
             self.central.u.zero_()
         self.algorithm.load_state_dict(snapshot["algorithm"] if same else {})
+        self.algorithm.feedback.load_state_dict(snapshot.get("wire") or {} if same else {})
         rows = snapshot["learners"] if same else None
         self.learners.resize(learners or snapshot.get("k") or len(snapshot["learners"]["weights"]), self.central.z)
         self.learners.load_state_dict(rows, self.central.z)

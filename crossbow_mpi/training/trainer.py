@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from crossbow_mpi.algorithms import ALGORITHMS
+from crossbow_mpi.algorithms.base import WireOverflow
 from crossbow_mpi.comm import Communicator, MpiCommunicator, build_communicator
 from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.comm.topology import Topology
@@ -40,6 +42,7 @@ from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, MetricFn, OutputFn
 from crossbow_mpi.training.rank_run import Run
 from crossbow_mpi.training.records import summary_writer_class
+from crossbow_mpi.training.undo import RunDirUndo
 
 __all__ = ["DivergenceError", "FitResult", "Trainer", "agree"]
 
@@ -247,6 +250,7 @@ class Trainer:
         run = self.start(*inputs.start_args())
         agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
         parts = self._components(cfg, run, inputs)
+        undo = _wire_undo(cfg, run, world)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
         for stale in checkpoint.remove_temporaries(cfg.run_dir) if world.rank == 0 else []:
             parts.progress.note(f"removed {stale.name}, left by a run killed while writing it")
@@ -264,9 +268,14 @@ class Trainer:
                     stop = False
             if cfg.pipeline_stages > 1:
                 result = _whole_model(result, self.topology.stage, model_fn, run.engine.cut)
-        except BaseException:
+        except BaseException as err:
             parts.close(failed=True)
+            if undo is not None and isinstance(err, WireOverflow):
+                undo.restore()
             raise
+        finally:
+            if undo is not None:
+                undo.close()
         parts.close()
         self.topology.close()
         return result
@@ -534,12 +543,11 @@ def _check_same_datasets(world: Communicator, train_set, test_set) -> None:
 
 
 def _check_run_dir(cfg: Config, rank0: bool) -> None:
-    """Refuse a run directory whose checkpoints or records a new run would overwrite; make it where missing."""
+    """Refuse a run directory whose checkpoints or records a new run would overwrite."""
     if not rank0 or cfg.resume:
         return  # a --resume stops in checkpoint.load, naming why, and leaves no trace
     run_dir = Path(cfg.run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint.list_checkpoints(cfg.run_dir):
             raise ConfigError(
                 f"--run-dir {cfg.run_dir} holds checkpoints of an earlier run: "
@@ -555,9 +563,24 @@ def _check_run_dir(cfg: Config, rank0: bool) -> None:
         raise ConfigError(f"--run-dir {cfg.run_dir}: {err.strerror or err}") from None
 
 
+def _wire_undo(cfg: Config, run: Run, world: Communicator) -> RunDirUndo | None:
+    """With a float16 wire: refuse a model whose buffers (elastic: also parameters) are already beyond float16's
+    range, before anything is written (collective); return, on rank 0, the run directory's state to restore if the
+    first sync's message is (None elsewhere, and with another wire)."""
+    if run.hp.sync_dtype != "fp16" or world.size == 1:  # a --resume takes the checkpoint's
+        return None
+    algorithm = run.algorithm
+    algorithm.refuse_overflow(algorithm.dry_message(), world, "at start-up")
+    return RunDirUndo(cfg.run_dir) if world.rank == 0 else None
+
+
 def _write_config(cfg: Config, rank0: bool) -> None:
+    """Make the run directory where missing and write config.json into it (a new file renamed over the old)."""
     if rank0:
         try:
-            (Path(cfg.run_dir) / "config.json").write_text(cfg.to_json() + "\n")
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(cfg.run_dir) / "config.json"
+            path.with_name(path.name + ".tmp").write_text(cfg.to_json() + "\n")
+            os.replace(path.with_name(path.name + ".tmp"), path)
         except OSError as err:
             raise ConfigError(f"--run-dir {cfg.run_dir}: {err.strerror or err}") from None
