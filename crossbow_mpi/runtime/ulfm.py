@@ -30,11 +30,14 @@ class RankLost(Exception):
     """The job lost ranks and this run cannot continue on the survivors."""
 
 
-def is_rank_loss(err: BaseException) -> bool:
-    """Tell whether an MPI error says that a peer died, or that a survivor revoked the scope after seeing one."""
+def is_rank_loss(err: BaseException | None) -> bool:
+    """Tell whether an MPI error says that a peer died, or that a survivor revoked the scope after seeing one;
+    also an error raised from one (a thread's, such as the model server's, raised again by the main thread)."""
     MPI = process.mpi()
     failures = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
-    return isinstance(err, MPI.Exception) and err.Get_error_class() in failures
+    if isinstance(err, MPI.Exception):
+        return err.Get_error_class() in failures
+    return err is not None and is_rank_loss(err.__cause__)
 
 
 def revoke(comms) -> None:
