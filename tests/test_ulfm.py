@@ -8,14 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import h5py
 import pytest
+import torch
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.runtime import ulfm
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 from helpers import REPO, mpirun_command, run_job
 
@@ -49,15 +52,14 @@ def ours(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "died" in line]
 
 
-def test_continue_applies_to_the_algorithms_whose_ranks_meet_at_every_step_or_round():
-    for name in ("eager", "auto"):
-        with pytest.raises(ConfigError, match="--on-rank-loss continue applies to"):
-            Config(algorithm=name, on_rank_loss="continue", learners=1).validate(ALGORITHMS)
+def test_continue_applies_to_every_algorithm_but_auto():
+    with pytest.raises(ConfigError, match="--on-rank-loss continue applies to"):
+        Config(algorithm="auto", on_rank_loss="continue", learners=1).validate(ALGORITHMS)
     with pytest.raises(ConfigError, match="--on-rank-loss continue needs a fixed --groups"):
         Config(algorithm="omnivore", groups="auto", on_rank_loss="continue").validate(ALGORITHMS)
     with pytest.raises(ConfigError, match="--on-rank-loss"):
         Config(on_rank_loss="retry").validate(ALGORITHMS)
-    for name in ("sma", "ssgd", "elastic", "omnivore", "hogbatch"):
+    for name in ("sma", "ssgd", "eager", "elastic", "omnivore", "hogbatch"):
         Config(algorithm=name, on_rank_loss="continue").validate(ALGORITHMS)
 
 
@@ -79,10 +81,32 @@ def test_rollback_holds_the_last_two_steps_and_copies_them():
     assert off.newest() == -1
 
 
+@pytest.mark.mpi(min_size=1)
+def test_eager_keeps_the_gradients_no_round_carried_yet_and_a_restore_lands_them_in_the_first_round(comm):
+    steps, late = 6, comm.size - 1
+    partial, carried = PartialAllreduce(comm, "solo", 4, seed=3), torch.zeros(comm.size * steps, dtype=torch.float64)
+    for step in range(steps):
+        if comm.size > 1 and comm.rank == late:
+            time.sleep(0.1)  # far longer than a round among the others: its eager rounds fire without it
+        contribution = torch.zeros_like(carried)
+        contribution[comm.rank * steps + step] = 1
+        carried += partial.allreduce_sum_(contribution).total
+    unlanded = partial.unlanded()
+    assert bool(unlanded) == (comm.size > 1 and comm.rank == late)
+    everyone = torch.tensor(comm.allreduce_sum_numbers(sum(unlanded, torch.zeros_like(carried)).tolist()))
+    assert torch.equal(carried + everyone, torch.ones_like(carried)), "each carried once, or kept"
+    partial.drain()
+    restored = PartialAllreduce(comm, "solo", 4, seed=3)
+    restored.restore(unlanded)
+    assert torch.equal(restored.allreduce_sum_(torch.zeros_like(carried)).total, everyone)
+    restored.drain()
+
+
 @pytest.mark.slow
-def test_sma_survives_a_killed_rank_and_takes_every_sample(tmp_path):
-    run_dir = tmp_path / "sma"
-    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", "sma", *RUN])
+@pytest.mark.parametrize("algorithm", ["sma", "eager"])
+def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_path, algorithm):
+    run_dir = tmp_path / algorithm
+    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *RUN])
     assert job.returncode == 0, job.stderr
     assert ours(job.stderr) == ["rank(s) 1 died; going on with 2 ranks from iteration 4"], job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]

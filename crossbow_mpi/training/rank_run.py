@@ -31,6 +31,7 @@ from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import Imbalance
 from crossbow_mpi.transports import build_transport
 from crossbow_mpi.transports.model_server import ModelServer
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 
 @dataclass
@@ -281,10 +282,14 @@ class Run:
 
     def snapshot(self) -> dict:
         """Return `state_dict()`, the same z on every rank: an asynchronous algorithm's ranks settle first (collective
-        for them; the others' z is the same after every step)."""
+        for them; the others' z is the same after every step); with eager-SGD's partial allreduce also this rank's
+        gradients that no round carried yet (`unlanded`)."""
         if self.algorithm.rounds:
             self.settle()
-        return self.state_dict()
+        state = self.state_dict()
+        if isinstance(self.algorithm.transport, PartialAllreduce):
+            state["unlanded"] = self.algorithm.transport.unlanded()
+        return state
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
@@ -309,3 +314,6 @@ class Run:
         self.learners.load_state_dict(rows, self.central.z)
         if snapshot["rng"] is not None:
             process.load_rng_state(snapshot["rng"])
+        if "unlanded" in snapshot:
+            assert isinstance(self.algorithm.transport, PartialAllreduce)
+            self.algorithm.transport.restore(snapshot["unlanded"])
