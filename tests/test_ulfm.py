@@ -103,10 +103,13 @@ def test_eager_keeps_the_gradients_no_round_carried_yet_and_a_restore_lands_them
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["sma", "eager"])
-def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_path, algorithm):
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [("sma", []), ("eager", ["--eager-mode", "solo", "--inject-imbalance", "slow-rank:2:3"])],  # 2's gradients late
+)
+def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_path, algorithm, extra):
     run_dir = tmp_path / algorithm
-    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *RUN])
+    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *extra, *RUN])
     assert job.returncode == 0, job.stderr
     assert ours(job.stderr) == ["rank(s) 1 died; going on with 2 ranks from iteration 4"], job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
@@ -175,6 +178,16 @@ def test_hogbatch_drops_the_round_of_a_worker_killed_after_its_update(tmp_path):
     run_dir = tmp_path / "hogbatch"
     job = ulfm_job(3, "2:4:1", ["--run-dir", str(run_dir), "--algorithm", "hogbatch", *RUN, *ROUNDS])
     survived_rounds(job, run_dir, 2, 2, 4)
+
+
+@pytest.mark.slow
+def test_hogbatch_loses_a_worker_then_the_servers_rank(tmp_path):
+    run_dir = tmp_path / "hogbatch"
+    job = ulfm_job(4, "1:3,0:6:1", ["--run-dir", str(run_dir), "--algorithm", "hogbatch", *RUN, *ROUNDS])
+    assert job.returncode == 0, job.stderr
+    lost = [(r["ranks"], r["world_size"], r["iteration"]) for r in records(run_dir) if r.get("event") == "rank_lost"]
+    assert lost == [([1], 3, 3), ([0], 2, 6)]
+    assert checkpoint_state(run_dir, "algorithm")["version"] * LEARNERS * BATCH == records(run_dir)[-1]["samples"]
 
 
 @pytest.mark.slow
