@@ -167,10 +167,13 @@ ROUNDS = ["--round-samples", str(8 * LEARNERS * BATCH)]
 
 
 @pytest.mark.slow
-def test_elastic_survives_a_killed_rank_from_the_rounds_start(tmp_path):
+@pytest.mark.parametrize(
+    "kill, extra", [("1:4", []), ("0:4:1", ["--optimizer", "adamw", "--lr", "0.001"])]
+)  # a worker at the round's start; the server's rank in the round
+def test_elastic_survives_a_killed_rank(tmp_path, kill, extra):
     run_dir = tmp_path / "elastic"
-    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", "elastic", *RUN, *ROUNDS])
-    survived_rounds(job, run_dir, 1, 2, 4)
+    job = ulfm_job(3, kill, ["--run-dir", str(run_dir), "--algorithm", "elastic", *extra, *RUN, *ROUNDS])
+    survived_rounds(job, run_dir, int(kill[0]), 2, 4)
 
 
 @pytest.mark.slow
