@@ -234,8 +234,9 @@ class PartialAllreduce(Communicator):
             wait_sleeping([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])  # every rank joins
             total = None
             if staleness.any():
-                contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
-                total = functools.reduce(torch.add, contributions)
+                contributions = [contribution for _, contribution in taken] or [self.zeros]
+                # a sum of its own, reduced in place: a contribution stays as it arrived (a rollback copies it)
+                total = functools.reduce(torch.add, contributions[1:], contributions[0].clone())
                 _settled(self.transport.allreduce_sum_(total).total)
             if kind == "eager":
                 wait_sleeping(recvs + sends)
