@@ -25,8 +25,9 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "step", "cosine")
 RANK_LOSS = ("abort", "continue")
 RANK_LOSS_LR = ("keep", "linear")
-SURVIVING_ALGORITHMS = ("sma", "ssgd")
-"""The algorithms that `--on-rank-loss continue` applies to (their sync is one blocking allreduce)."""
+SURVIVING_ALGORITHMS = ("sma", "ssgd", "eager", "elastic", "omnivore", "hogbatch")
+"""The algorithms that `--on-rank-loss continue` applies to: the same z on every rank after every step (an allreduce,
+eager-SGD's rounds), or rounds of the model server's that end where every rank meets."""
 FUSED_ALGORITHMS = ("sma", "ssgd", "auto")
 """The algorithms `--fused-step` applies to (auto: when it trains with sma or ssgd)."""
 SEED_LIMIT = 2**32
@@ -276,9 +277,10 @@ class Config:
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
     seconds because a rank stopped taking part (0: never)."""
     on_rank_loss: str = "abort"
-    """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (`sma`,
-    `ssgd`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step in flight is dropped, the run
-    goes on from the last step every survivor completed, and a checkpoint is written."""
+    """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (every `--algorithm`
+    but `auto`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step (an
+    asynchronous algorithm's round) in flight is dropped, the run goes on from the last one every survivor
+    completed, and a checkpoint is written."""
     min_ranks: int = 1
     """With `on_rank_loss continue`: when fewer ranks survive, write a checkpoint and exit 75 (resume reshards)."""
     rank_loss_lr: str = "keep"
@@ -440,9 +442,11 @@ class Config:
             raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
         if self.on_rank_loss == "continue" and self.algorithm not in SURVIVING_ALGORITHMS:
             raise ConfigError(
-                f"--on-rank-loss continue applies to --algorithm {' and '.join(SURVIVING_ALGORITHMS)}, not "
-                f"{self.algorithm}: its ranks exchange messages from threads of their own"
+                f"--on-rank-loss continue applies to --algorithm {', '.join(SURVIVING_ALGORITHMS)}, not "
+                f"{self.algorithm}: its search switches among them"
             )
+        if self.on_rank_loss == "continue" and self.groups == "auto":
+            raise ConfigError("--on-rank-loss continue needs a fixed --groups, not auto: the survivors regroup")
         if self.compile and self.pipeline_stages > 1:
             raise ConfigError("--compile does not apply to --pipeline-stages: compile the stages' modules yourself")
         if not 0 <= self.target_accuracy <= 1:

@@ -8,14 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import h5py
 import pytest
+import torch
 
 from crossbow_mpi import Trainer
 from crossbow_mpi.algorithms import ALGORITHMS
 from crossbow_mpi.config import Config, ConfigError
 from crossbow_mpi.runtime import ulfm
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 from helpers import REPO, mpirun_command, run_job
 
@@ -40,22 +43,24 @@ def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def checkpoint_state(run_dir) -> dict:
+def checkpoint_state(run_dir, part: str = "state") -> dict:
     with h5py.File(sorted(run_dir.glob("checkpoint-*.h5"))[-1]) as f:
-        return json.loads(f["train"].attrs["state"])
+        return json.loads(f["train"].attrs[part])
 
 
 def ours(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "died" in line]
 
 
-def test_continue_applies_to_the_allreduce_algorithms_only():
-    for name in ("eager", "omnivore", "hogbatch", "elastic", "auto"):
-        with pytest.raises(ConfigError, match="--on-rank-loss continue applies to"):
-            Config(algorithm=name, on_rank_loss="continue", learners=1).validate(ALGORITHMS)
+def test_continue_applies_to_every_algorithm_but_auto():
+    with pytest.raises(ConfigError, match="--on-rank-loss continue applies to"):
+        Config(algorithm="auto", on_rank_loss="continue", learners=1).validate(ALGORITHMS)
+    with pytest.raises(ConfigError, match="--on-rank-loss continue needs a fixed --groups"):
+        Config(algorithm="omnivore", groups="auto", on_rank_loss="continue").validate(ALGORITHMS)
     with pytest.raises(ConfigError, match="--on-rank-loss"):
         Config(on_rank_loss="retry").validate(ALGORITHMS)
-    Config(algorithm="ssgd", on_rank_loss="continue").validate(ALGORITHMS)
+    for name in ("sma", "ssgd", "eager", "elastic", "omnivore", "hogbatch"):
+        Config(algorithm=name, on_rank_loss="continue").validate(ALGORITHMS)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -76,10 +81,36 @@ def test_rollback_holds_the_last_two_steps_and_copies_them():
     assert off.newest() == -1
 
 
+@pytest.mark.mpi(min_size=1)
+def test_eager_keeps_the_gradients_no_round_carried_yet_and_a_restore_lands_them_in_the_first_round(comm):
+    steps, late = 6, comm.size - 1
+    partial, carried = PartialAllreduce(comm, "solo", 4, seed=3), torch.zeros(comm.size * steps, dtype=torch.float64)
+    for step in range(steps):
+        if comm.size > 1 and comm.rank == late:
+            time.sleep(0.1)  # far longer than a round among the others: its eager rounds fire without it
+        contribution = torch.zeros_like(carried)
+        contribution[comm.rank * steps + step] = 1
+        carried += partial.allreduce_sum_(contribution).total
+    unlanded = partial.unlanded()
+    if comm.size > 1 and comm.rank == late:
+        assert unlanded, "its last gradient waits for a later round"
+    everyone = torch.tensor(comm.allreduce_sum_numbers(sum(unlanded, torch.zeros_like(carried)).tolist()))
+    assert torch.equal(carried + everyone, torch.ones_like(carried)), "each carried once, or kept"
+    partial.drain()
+    restored = PartialAllreduce(comm, "solo", 4, seed=3)
+    restored.restore(unlanded)
+    assert torch.equal(restored.allreduce_sum_(torch.zeros_like(carried)).total, everyone)
+    restored.drain()
+
+
 @pytest.mark.slow
-def test_sma_survives_a_killed_rank_and_takes_every_sample(tmp_path):
-    run_dir = tmp_path / "sma"
-    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", "sma", *RUN])
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [("sma", []), ("eager", ["--eager-mode", "solo", "--inject-imbalance", "slow-rank:2:3"])],  # 2's gradients late
+)
+def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_path, algorithm, extra):
+    run_dir = tmp_path / algorithm
+    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *extra, *RUN])
     assert job.returncode == 0, job.stderr
     assert ours(job.stderr) == ["rank(s) 1 died; going on with 2 ranks from iteration 4"], job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
@@ -117,3 +148,65 @@ def test_a_pipeline_that_loses_a_stage_exits_75_without_a_new_checkpoint(tmp_pat
         "crossbow_mpi: error: rank(s) 1 died and a pipeline cannot lose a stage; resume with --resume on the ranks left"
     ], job.stderr
     assert not list(run_dir.glob("checkpoint-*.h5"))
+
+
+def survived_rounds(job: subprocess.CompletedProcess, run_dir, lost: int, ranks: int, iteration: int) -> None:
+    """Assert that an asynchronous run lost rank `lost` in round `iteration`, went on from that round's start on
+    `ranks` ranks (the recovery checked that they hold the same z) and applied every update it counts once: the
+    server's updates, each of one group step's samples, took every sample the run counts."""
+    assert job.returncode == 0, job.stderr
+    assert ours(job.stderr) == [f"rank(s) {lost} died; going on with {ranks} ranks from iteration {iteration}"]
+    lost_records = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
+    assert [(r["ranks"], r["world_size"], r["iteration"]) for r in lost_records] == [([lost], ranks, iteration)]
+    assert lost_records[0]["recovery_s"] < 10
+    summary = records(run_dir)[-1]
+    assert summary["event"] == "summary" and summary["world_size"] == ranks and summary["epochs"] >= 0.05
+    assert checkpoint_state(run_dir, "algorithm")["version"] * LEARNERS * BATCH == summary["samples"]
+
+
+ROUNDS = ["--round-samples", str(8 * LEARNERS * BATCH)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill, extra", [("1:4", []), ("0:4:1", ["--optimizer", "adamw", "--lr", "0.001"])]
+)  # a worker at the round's start; the server's rank in the round
+def test_elastic_survives_a_killed_rank(tmp_path, kill, extra):
+    run_dir = tmp_path / "elastic"
+    job = ulfm_job(3, kill, ["--run-dir", str(run_dir), "--algorithm", "elastic", *extra, *RUN, *ROUNDS])
+    survived_rounds(job, run_dir, int(kill[0]), 2, 4)
+
+
+@pytest.mark.slow
+def test_hogbatch_drops_the_round_of_a_worker_killed_after_its_update(tmp_path):
+    run_dir = tmp_path / "hogbatch"
+    job = ulfm_job(3, "2:4:1", ["--run-dir", str(run_dir), "--algorithm", "hogbatch", *RUN, *ROUNDS])
+    survived_rounds(job, run_dir, 2, 2, 4)
+
+
+@pytest.mark.slow
+def test_hogbatch_loses_a_worker_then_the_servers_rank(tmp_path):
+    run_dir = tmp_path / "hogbatch"
+    job = ulfm_job(4, "1:3,0:6:1", ["--run-dir", str(run_dir), "--algorithm", "hogbatch", *RUN, *ROUNDS])
+    assert job.returncode == 0, job.stderr
+    lost = [(r["ranks"], r["world_size"], r["iteration"]) for r in records(run_dir) if r.get("event") == "rank_lost"]
+    assert lost == [([1], 3, 3), ([0], 2, 6)]
+    assert checkpoint_state(run_dir, "algorithm")["version"] * LEARNERS * BATCH == records(run_dir)[-1]["samples"]
+
+
+@pytest.mark.slow
+def test_omnivore_survivor_takes_the_server_over_with_its_optimizer_state(tmp_path):
+    run_dir = tmp_path / "omnivore"
+    args = ["--algorithm", "omnivore", "--groups", "3", "--optimizer", "adamw", "--lr", "0.001"]
+    job = ulfm_job(3, "0:4:1", ["--run-dir", str(run_dir), *args, *RUN, *ROUNDS])
+    survived_rounds(job, run_dir, 0, 2, 4)
+    with h5py.File(sorted(run_dir.glob("checkpoint-*.h5"))[-1]) as f:  # AdamW counts every update it applied
+        assert f["central/optimizer/step"][()] == checkpoint_state(run_dir, "algorithm")["version"]
+
+
+@pytest.mark.slow
+def test_omnivore_regroups_the_survivors(tmp_path):
+    run_dir = tmp_path / "omnivore"
+    job = ulfm_job(4, "3:5:1", ["--run-dir", str(run_dir), "--algorithm", "omnivore", "--groups", "2", *RUN, *ROUNDS])
+    survived_rounds(job, run_dir, 3, 3, 5)
+    assert checkpoint_state(run_dir, "choice") == {"algorithm": "omnivore", "groups": 1}

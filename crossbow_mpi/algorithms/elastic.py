@@ -101,7 +101,9 @@ class ElasticAveraging(RoundsAlgorithm):
         return message
 
     def meet(self) -> None:
-        """Give every rank the server rank's non-float buffers (z is the same on every rank after a round)."""
+        """Give every rank the server's counters and the server rank's non-float buffers (z is the same on every
+        rank after a round), so that any rank can take the server over (collective)."""
+        self.transport.meet((self.ticket,))
         self.share_extra_state()
 
     def statistics(self) -> dict:

@@ -191,12 +191,26 @@ def wait_sleeping(requests: list, timeout: float | None = None) -> bool:
     a core from the threads still computing. With `timeout`, give up after that many seconds; return whether they
     completed."""
     poll, deadline = POLL_MIN_S, None if timeout is None else time.monotonic() + timeout
-    while not Communicator.mpi().Request.Testall(requests):
+    statuses = [Communicator.mpi().Status() for _ in requests]
+    while not _test_all(requests, statuses):
         if deadline is not None and time.monotonic() > deadline:
             return False
         time.sleep(poll)
         poll = min(2 * poll, POLL_MAX_S)
     return True
+
+
+def _test_all(requests: list, statuses: list) -> bool:
+    """`Request.Testall`, raising a failed request's own error (such as a dead peer's) instead of
+    MPI_ERR_IN_STATUS."""
+    MPI = Communicator.mpi()
+    try:
+        return MPI.Request.Testall(requests, statuses)
+    except MPI.Exception as err:
+        if err.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        errors = [s.Get_error() for s in statuses if s.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+        raise MPI.Exception(errors[0]) from err
 
 
 class StopAgreement:

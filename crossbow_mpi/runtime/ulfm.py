@@ -20,7 +20,8 @@ EXIT_RANK_LOST = 75
 """Exit code of a job that lost ranks and cannot go on (fewer than --min-ranks left, or a pipeline): resume it
 with --resume, which reshards to the ranks it is given (75 is also the code of a preempted run)."""
 KILL_VARIABLE = "CROSSBOW_KILL_AT"
-"""Test-only fault injection: `R:I[,R:I…]` makes COMM_WORLD rank R SIGKILL itself before iteration I."""
+"""Test-only fault injection: `R:I[,R:I…]` makes COMM_WORLD rank R SIGKILL itself before iteration I; `R:I:S`, in
+iteration I (an asynchronous algorithm's round) after its S-th local step there (its update applied)."""
 
 _rank: int | None = None
 """This process's rank among the survivors, once the world was shrunk."""
@@ -30,11 +31,14 @@ class RankLost(Exception):
     """The job lost ranks and this run cannot continue on the survivors."""
 
 
-def is_rank_loss(err: BaseException) -> bool:
-    """Tell whether an MPI error says that a peer died, or that a survivor revoked the scope after seeing one."""
+def is_rank_loss(err: BaseException | None) -> bool:
+    """Tell whether an MPI error says that a peer died, or that a survivor revoked the scope after seeing one;
+    also an error raised from one (a thread's, such as the model server's, raised again by the main thread)."""
     MPI = process.mpi()
     failures = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
-    return isinstance(err, MPI.Exception) and err.Get_error_class() in failures
+    if isinstance(err, MPI.Exception):
+        return err.Get_error_class() in failures
+    return err is not None and is_rank_loss(err.__cause__)
 
 
 def revoke(comms) -> None:
@@ -82,15 +86,16 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def inject_kill(iteration: int, environ=os.environ) -> None:
-    """SIGKILL this process when `CROSSBOW_KILL_AT` names its COMM_WORLD rank and this iteration."""
+def inject_kill(iteration: int, step: int = 0, environ=os.environ) -> None:
+    """SIGKILL this process when `CROSSBOW_KILL_AT` names its COMM_WORLD rank, this iteration and this rank's
+    local steps in it so far (`step`; 0 and absent: before the iteration)."""
     spec = environ.get(KILL_VARIABLE)
     if not spec:
         return
     rank = process.mpi().COMM_WORLD.Get_rank()
     for item in spec.split(","):
-        target, at = (int(part) for part in item.split(":"))
-        if (target, at) == (rank, iteration):
+        target, at, *within = (int(part) for part in item.split(":"))
+        if (target, at, *(within or [0])) == (rank, iteration, step):
             os.kill(os.getpid(), signal.SIGKILL)
 
 

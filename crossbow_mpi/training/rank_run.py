@@ -27,10 +27,11 @@ from crossbow_mpi.replicas.kernels import fuse
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.optimizers import OptimizerFn
 from crossbow_mpi.replicas.state import HyperParams, TrainState
-from crossbow_mpi.runtime import process
+from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import Imbalance
 from crossbow_mpi.transports import build_transport
 from crossbow_mpi.transports.model_server import ModelServer
+from crossbow_mpi.transports.partial_allreduce import PartialAllreduce
 
 
 @dataclass
@@ -117,8 +118,7 @@ class Run:
         self.config = dataclasses.replace(config, eager_mode="majority") if auto else config
         """What the transports are built from (`--algorithm auto` probes eager-SGD in its majority mode)."""
         self.algorithm = self._build_algorithm(AUTO_FIRST if auto else config.algorithm)
-        if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
-            self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
+        self.set_explicit_momentum()
         if isinstance(self.algorithm, RoundsAlgorithm):
             self.algorithm.batch_sizes(self.hp.batch_size)  # refuses a group batch below the group's ranks
         self.num_samples = len(train_set)
@@ -146,6 +146,13 @@ class Run:
         elif self.config.fused_step and not self.config.clip_grad_norm:
             fuse(built, self.central.z.device)
         return built
+
+    def set_explicit_momentum(self) -> None:
+        """Give Omnivore the explicit momentum of its compute groups (unless `--explicit-momentum` or the search
+        sets it)."""
+        config = self.config
+        if isinstance(self.algorithm, Omnivore) and config.groups != "auto" and not config.explicit_momentum:
+            self.hp.momentum = explicit_momentum(config.momentum, self.algorithm.transport.groups)
 
     @property
     def choice(self) -> dict:
@@ -209,6 +216,7 @@ class Run:
             losses += step_losses
             compute_s += step_compute_s
             updates += 1
+            ulfm.inject_kill(state.iteration, updates)
             position = algorithm.next_position
         samples = algorithm.end_round() - state.offset
         state.advance(samples)
@@ -273,6 +281,17 @@ class Run:
             "rng": copy.deepcopy(process.rng_state()),
         }
 
+    def snapshot(self) -> dict:
+        """Return `state_dict()`, the same z on every rank: an asynchronous algorithm's ranks settle first (collective
+        for them; the others' z is the same after every step); with eager-SGD's partial allreduce also this rank's
+        gradients that no round carried yet (`unlanded`)."""
+        if self.algorithm.rounds:
+            self.settle()
+        state = self.state_dict()
+        if isinstance(self.algorithm.transport, PartialAllreduce):
+            state["unlanded"] = self.algorithm.transport.unlanded()
+        return state
+
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
 
@@ -297,3 +316,6 @@ class Run:
         self.learners.load_state_dict(rows, self.central.z)
         if snapshot["rng"] is not None:
             process.load_rng_state(snapshot["rng"])
+        if "unlanded" in snapshot:
+            assert isinstance(self.algorithm.transport, PartialAllreduce)
+            self.algorithm.transport.restore(snapshot["unlanded"])

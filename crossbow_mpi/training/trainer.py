@@ -154,12 +154,7 @@ class Trainer:
         data = comm or agree(
             world, lambda: build_communicator(world.mpi_comm, config.comm, self.device, config.hierarchy)
         )
-        if config.algorithm in ("omnivore", "hogbatch", "elastic"):
-            groups = config.groups if isinstance(config.groups, int) else 1  # the optimizer starts from one group
-            groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
-            self.topology = Topology.grouped(world, data, groups, local_rank, local_size)
-        else:
-            self.topology = Topology.data_parallel(world, data, local_rank, local_size)
+        self.topology = _data_topology(config, world, data, local_rank, local_size)
 
     @property
     def comm(self) -> Communicator:
@@ -311,7 +306,7 @@ class Trainer:
         and write a checkpoint. `live` holds the run and its components, `lost` the ranks lost so far, `size` the
         world's before the loss. RankLost when the run cannot go on here (exit 75)."""
         started, cfg, old, (run, parts) = time.perf_counter(), self.config, self.topology, live
-        scopes = (old.world, old.data, old.group, old.stage)
+        scopes = (old.world, old.data, old.group, old.stage, run.algorithm.transport)
         ulfm.revoke([comm for scope in scopes for comm in scope.mpi_comms()] + parts.channels())
         for scope in scopes:
             scope.abandon()
@@ -327,11 +322,12 @@ class Trainer:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died before the first step")
         local_rank, local_size, _ = process.node_placement(survivors)
         data = build_communicator(survivors, cfg.comm, self.device, cfg.hierarchy)
-        self.topology = Topology.data_parallel(world, data, local_rank, local_size)
+        self.topology = _data_topology(cfg, world, data, local_rank, local_size, shrunk=True)
         run = self.start(*inputs.start_args())
         parts = self._components(dataclasses.replace(cfg, resume=False), run, inputs)
         live[:] = run, parts
         run.load_state_dict(rollback.at(iteration))
+        run.set_explicit_momentum()  # of the survivors' groups
         if cfg.rank_loss_lr == "linear":
             run.hp.lr *= world.size / size
         if len(set(world.allgather_json(ulfm.digest(run.central.z)))) > 1:
@@ -359,7 +355,7 @@ class Trainer:
             lr, dropped = c.schedule.step_lr(run)
             if dropped:
                 c.tuning.on_lr_drop(run)
-            rollback.before_step(state.iteration, run.state_dict)
+            rollback.before_step(state.iteration, run.snapshot)
             step = run.train_step(lr)
             c.divergence.after_step(run, step)
             stop = c.stopping.poll()
@@ -454,6 +450,21 @@ class _Inputs:
     def start_args(self) -> tuple:
         """The arguments of `Trainer.start`."""
         return self.model_fn, self.train_set, self.loss_fn, self.test_set, self.output_fn, self.optimizer_fn
+
+
+def _data_topology(
+    config: Config, world: MpiCommunicator, data: Communicator, local_rank: int, local_size: int, shrunk: bool = False
+) -> Topology:
+    """Return the scopes of a run whose ranks each hold a whole model (collective): Omnivore's compute groups (on
+    the survivors of a rank loss, `shrunk`, the most groups up to its --groups that split them evenly), one group
+    per rank (hogbatch, elastic), else one data-parallel group."""
+    if config.algorithm not in ("omnivore", "hogbatch", "elastic"):
+        return Topology.data_parallel(world, data, local_rank, local_size)
+    groups = config.groups if isinstance(config.groups, int) else 1  # the optimizer starts from one group
+    if shrunk:
+        groups = max(g for g in range(1, min(groups, world.size) + 1) if world.size % g == 0)
+    groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
+    return Topology.grouped(world, data, groups, local_rank, local_size)
 
 
 def _names(ranks: list[int]) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, Reduction, wait_sleeping
 from crossbow_mpi.comm.mpi import MpiCommunicator
+from crossbow_mpi.runtime import ulfm
 
 SERVER_RANK = 0
 HEADER_TAG, MESSAGE_TAG, REPLY_TAG, VERSION_TAG = 0x0A1, 0x0A2, 0x0A3, 0x0A4
@@ -189,10 +190,19 @@ class ModelServer(Communicator):
     def stop(self) -> None:
         """Stop the server thread (after `meet`: no message is in flight); the next exchange of group 0 restarts it."""
         if self.thread is not None:
+            self.abandon()
+            self._raise_error()
+
+    def abandon(self) -> None:
+        """Stop the server thread without its peers, which may be dead (after a rank loss, once its channel is
+        revoked: a wait on a dead rank has failed)."""
+        if self.thread is not None:
             self.stopping.set()
             self.thread.join()
             self.thread = None
-            self._raise_error()
+
+    def mpi_comms(self) -> list:
+        return [self.channel, *(group.mpi_comm for group in self.splits.values())]
 
     def close(self) -> None:
         """Stop the server thread and free the server's channel and the compute groups made by `regroup`
@@ -264,7 +274,8 @@ class ModelServer(Communicator):
             self._requests()
         except BaseException as err:
             self.error = err
-            raise
+            if not ulfm.is_rank_loss(err):
+                raise  # a lost peer is the main thread's to handle, without this thread's traceback
 
     def _requests(self) -> None:
         """Serve messages in their order of arrival until `stop`, counting the thread's CPU seconds."""

@@ -34,6 +34,7 @@ import torch
 from crossbow_mpi.comm.base import POLL_MAX_S, POLL_MIN_S, Communicator, Reduction, wait_sleeping
 from crossbow_mpi.comm.mpi import MpiCommunicator
 from crossbow_mpi.config import EAGER_MODES, ConfigError
+from crossbow_mpi.runtime import ulfm
 
 ACTIVATE_TAG = 0x0EA6
 
@@ -48,6 +49,8 @@ class Round:
     """Contributions it carried by rounds waited (index 0: fresh, arrived for this round)."""
     total: torch.Tensor | None
     """The sum of its contributions; None when it carried none."""
+    carried: list[int]
+    """The rounds this rank's contributions that it carried arrived for."""
 
     @property
     def contributions(self) -> int:
@@ -78,6 +81,9 @@ class PartialAllreduce(Communicator):
         """The round the main thread last arrived at, and its kind (shared, under cond)."""
         self.fired: dict[int, Round] = {}
         """Rounds fired and not yet returned to the main thread (shared, under cond)."""
+        self.arrived: dict[int, list[torch.Tensor]] = {}
+        """This rank's contributions by the round they arrived for, until the main thread has the round that
+        carried them (the main thread's own; `unlanded`)."""
         self.error: BaseException | None = None
         self.next_round = 0
         self.eager_since_sync = 0
@@ -122,6 +128,27 @@ class PartialAllreduce(Communicator):
     def close(self) -> None:
         assert self.thread is None, "drain before close: the drain frees the progress thread's communicator"
 
+    def mpi_comms(self) -> list:
+        return [self.mpi_comm, *([self.channel] if self.thread is not None else [])]
+
+    def abandon(self) -> None:
+        """Stop the progress thread without its peers, which may be dead (after a rank loss, once its channel is
+        revoked: its waits on them have failed)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def unlanded(self) -> list[torch.Tensor]:
+        """Return this rank's contributions that no round returned to the main thread has carried yet."""
+        return [contribution for held in self.arrived.values() for contribution in held]
+
+    def restore(self, unlanded: list[torch.Tensor]) -> None:
+        """Put contributions that no round carried yet (`unlanded` of a rollback, before the first round) into
+        the accumulator: the first round, synchronous, carries them."""
+        assert self.thread is None
+        self.arrived = {self.next_round: list(unlanded)} if unlanded else {}
+        self.pending = [(self.next_round, contribution) for contribution in unlanded]
+
     def statistics(self) -> dict:
         """Return and reset what the rounds returned since the last call: rounds fired, synchronous rounds (firsts
         and every sync_every-th), fresh contributions per round (drains aside) and the staleness histogram."""
@@ -145,6 +172,8 @@ class PartialAllreduce(Communicator):
             assert kind == "sync" and contribution is not None
             self._start(contribution)
         number = self.next_round
+        if contribution is not None:
+            self.arrived.setdefault(number, []).append(contribution)
         with self.cond:
             if contribution is not None:
                 self.pending.append((number, contribution))
@@ -155,6 +184,8 @@ class PartialAllreduce(Communicator):
                 raise RuntimeError("the partial allreduce's progress thread failed") from self.error
             fired = self.fired.pop(number)
         assert fired.kind == kind
+        for arrived in fired.carried:
+            self.arrived.pop(arrived, None)
         self.next_round += 1
         self.eager_since_sync = self.eager_since_sync + 1 if kind == "eager" else 0
         self.window["rounds"] += 1
@@ -181,7 +212,8 @@ class PartialAllreduce(Communicator):
             with self.cond:
                 self.error = err
                 self.cond.notify_all()
-            raise
+            if not ulfm.is_rank_loss(err):
+                raise  # a lost peer is the main thread's to handle, without this thread's traceback
 
     def _rounds(self, number: int) -> None:
         """Fire rounds from `number` on, in order, until a drain round."""
@@ -202,15 +234,16 @@ class PartialAllreduce(Communicator):
             wait_sleeping([self.channel.Iallreduce(self.mpi().IN_PLACE, staleness)])  # every rank joins
             total = None
             if staleness.any():
-                contributions = [contribution for _, contribution in taken] or [self.zeros.clone()]
-                total = functools.reduce(torch.add, contributions)
+                contributions = [contribution for _, contribution in taken] or [self.zeros]
+                # a sum of its own, reduced in place: a contribution stays as it arrived (a rollback copies it)
+                total = functools.reduce(torch.add, contributions[1:], contributions[0].clone())
                 _settled(self.transport.allreduce_sum_(total).total)
             if kind == "eager":
                 wait_sleeping(recvs + sends)
                 assert (inbox == number).all(), "activation messages out of step"
                 recvs = self._listen(inbox)
             with self.cond:
-                self.fired[number] = Round(kind, staleness, total)
+                self.fired[number] = Round(kind, staleness, total, [arrived for arrived, _ in taken])
                 self.cond.notify_all()
             if kind == "drain":
                 break
