@@ -333,7 +333,8 @@ class Config:
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep in the run directory."""
     resume: bool = False
-    """Continue from the newest valid checkpoint in `run_dir`."""
+    """Continue from the newest valid checkpoint in `run_dir`, with the run's hyper-parameters (a resume that sets
+    one otherwise is refused)."""
     tensorboard: bool = False
     """Also write the evaluation records as TensorBoard scalars to `run_dir`/tensorboard (needs the `tensorboard`
     package); metrics.jsonl stays the complete record."""

@@ -80,6 +80,16 @@ CASES = {
         lambda run: ["--run-dir", str(run), *TRAIN[:2], "--model", "lenet", "--resume"],
         "holds a different model",
     ),
+    "resume with another --lr": Case(
+        "crossbow_mpi",
+        lambda run: ["--run-dir", str(run), *TRAIN, "--resume", "--lr", "0.1"],
+        "was trained with --lr 0.01 (this command: 0.1); a resume continues with the run's hyper-parameters",
+    ),
+    "resume with another --sync-dtype": Case(
+        "crossbow_mpi",
+        lambda run: ["--run-dir", str(run), *TRAIN, "--resume", "--sync-dtype", "fp16"],
+        "was trained with --sync-dtype fp32 (this command: fp16)",
+    ),
     "rerun of a run killed before its first checkpoint": Case(
         "crossbow_mpi",
         lambda run: ["--run-dir", str(run), *TRAIN],
@@ -222,6 +232,16 @@ def test_a_refused_command_says_one_line_and_changes_nothing(trained, tmp_path, 
     assert "Traceback" not in done.stderr, done.stderr
     assert_user_error(done, case.tool, case.message)
     assert digest(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_the_runs_flags_and_more_epochs_goes_on(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    longer = [*TRAIN[:5], "0.04", *TRAIN[6:]]
+    done = run_job(1, ["--run-dir", str(run), *longer, "--resume", "--lr", "0.01", "--sync-dtype", "fp32"])
+    assert done.returncode == 0 and "resumed from checkpoint-" in done.stderr + done.stdout, done.stderr
+    assert len(list(run.glob("checkpoint-*.h5"))) == 2
 
 
 @pytest.mark.slow

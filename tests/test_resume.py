@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from crossbow_mpi.config import ConfigError
 from crossbow_mpi.training.checkpoint import FORMAT_VERSION, list_checkpoints
 
-from helpers import resume_config, resume_fit
+from helpers import digest, resume_config, resume_fit
 
 
 @pytest.mark.mpi(min_size=1)
@@ -43,6 +44,30 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(comm, shared_tmp, algor
             ]
             for name in names:
                 assert (a[name][...] == b[name][...]).all(), name
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_resume_that_changes_a_hyperparameter_is_refused_and_one_that_changes_the_epochs_goes_on(comm, shared_tmp):
+    resume_fit(comm, resume_config(shared_tmp, epochs=1))
+    before = digest(shared_tmp) if comm.rank == 0 else None
+    changes = {"lr": 0.1, "sync_dtype": "fp16", "momentum": 0.5, "batch_size": 2, "outer_optimizer": "nesterov"}
+    for name, value in changes.items():
+        flag = name.replace("_", "-")
+        with pytest.raises(ConfigError, match=f"was trained with --{flag} .* a resume continues with the run's"):
+            resume_fit(comm, resume_config(shared_tmp, epochs=2, resume=True, **{name: value}))
+        assert comm.rank != 0 or digest(shared_tmp) == before, name
+    assert resume_fit(comm, resume_config(shared_tmp, epochs=2, resume=True)).iterations == 32
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resume_on_fewer_ranks_takes_its_own_batch_size_for_the_runs_per_rank_ones(comm, shared_tmp):
+    pair = comm.split(comm.rank < 2, comm.rank)
+    if comm.rank < 2:
+        resume_fit(pair, resume_config(shared_tmp, epochs=1, batch_size=(4, 2)))
+    comm.barrier()
+    alone = comm.split(comm.rank == 0, comm.rank)
+    if comm.rank == 0:  # the run's sizes are of two ranks: the resume takes this command's, as documented
+        assert resume_fit(alone, resume_config(shared_tmp, epochs=2, resume=True)).iterations > 0
 
 
 @pytest.mark.mpi(min_size=1)

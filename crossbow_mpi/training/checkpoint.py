@@ -304,6 +304,12 @@ def read_central(path: Path) -> tuple[list[tuple[torch.Tensor, bytes]], str]:
         return [(torch.from_numpy(g["z"][...]), g["extra"][...].tobytes()) for g in groups], f.attrs["layout_signature"]
 
 
+def read_settings(path: Path) -> tuple[dict, dict]:
+    """Return a valid checkpoint's stored configuration and its rank 0's hyper-parameters (JSON objects)."""
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["config"]), json.loads(f["ranks/0"].attrs["hyperparams"])
+
+
 def read_cut(path: Path) -> list[int] | None:
     """Return where a valid checkpoint's model was cut into pipeline stages; None: by parameter count."""
     with h5py.File(path, "r") as f:

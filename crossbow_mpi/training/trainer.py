@@ -42,6 +42,7 @@ from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, MetricFn, OutputFn
 from crossbow_mpi.training.rank_run import Run
 from crossbow_mpi.training.records import summary_writer_class
+from crossbow_mpi.training.resuming import refuse_changed_hyperparams
 from crossbow_mpi.training.undo import RunDirUndo
 
 __all__ = ["DivergenceError", "FitResult", "Trainer", "agree"]
@@ -243,7 +244,7 @@ class Trainer:
         agree(world, lambda: _check_test_set(test_set))
         inputs = _Inputs(model_fn, train_set, test_set, loss_fn, output_fn, controllers, optimizer_fn, metric_fn)
         run = self.start(*inputs.start_args())
-        agree(world, lambda: _check_run_dir(cfg, world.rank == 0))
+        agree(world, lambda: _check_run_dir(cfg, world.rank == 0, self.topology.data.size))
         parts = self._components(cfg, run, inputs)
         undo = _wire_undo(cfg, run, world)
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
@@ -553,10 +554,14 @@ def _check_same_datasets(world: Communicator, train_set, test_set) -> None:
                 )
 
 
-def _check_run_dir(cfg: Config, rank0: bool) -> None:
-    """Refuse a run directory whose checkpoints or records a new run would overwrite."""
-    if not rank0 or cfg.resume:
-        return  # a --resume stops in checkpoint.load, naming why, and leaves no trace
+def _check_run_dir(cfg: Config, rank0: bool, data_ranks: int) -> None:
+    """Refuse a run directory whose checkpoints or records a new run would overwrite, and a resume that sets the
+    run's hyper-parameters otherwise (`data_ranks`: the resume's ranks of the data scope)."""
+    if not rank0:
+        return
+    if cfg.resume:
+        refuse_changed_hyperparams(cfg, data_ranks)
+        return  # other problems stop checkpoint.load, naming why, and leave no trace
     run_dir = Path(cfg.run_dir)
     try:
         if checkpoint.list_checkpoints(cfg.run_dir):
