@@ -3,8 +3,8 @@
     python -m benchmarks.lm [--quick] [--reps 5] [--budget-minutes 45]
 
 The question: does SMA's advantage survive an attention model? Systems: PyTorch DDP (benchmarks/ddp_peer.py),
-crossbow_mpi S-SGD, and SMA at k ∈ {1, 2, 4} learners per rank, all with one `--optimizer` (FULL.optimizer:
-`sgd`, momentum SGD; `adamw` runs the same races with AdamW learners, and DDP with torch's AdamW).
+crossbow_mpi S-SGD, and SMA at k ∈ {1, 2, 4} learners per rank, all with AdamW (SMA's learners each step their
+own; DDP steps torch's).
 
 1. Grid (seed 1): in each layout (2 ranks × 1 thread, 1 rank × 2 threads) every system at every learning rate
    of one grid, the same for all (per learner for SMA), batch `b` per rank (per learner for SMA).
@@ -53,22 +53,22 @@ class Budget:
 
 
 FULL = Budget(
-    "layers=4,heads=4,width=128",
-    64,
-    4 << 20,
-    "sgd",
-    1.6,
+    "layers=2,heads=2,width=64",
+    32,
+    1 << 20,
+    "adamw",
+    1.8,
     16,
-    (0.05, 0.1, 0.2, 0.4),
+    (0.001, 0.003, 0.01),
     ("ddp", "ssgd"),
     (1, 2, 4),
     tuple(LAYOUTS),
-    8000,
-    4,
-    3600,
+    4000,
+    2,
+    600,
 )
 QUICK = Budget(
-    "layers=1,heads=2,width=16", 16, 64 << 10, "sgd", 4.0, 8, (0.1,), ("ddp",), (2,), ("2x1",), 400, 0.2, 120
+    "layers=1,heads=2,width=16", 16, 64 << 10, "adamw", 4.0, 8, (0.01,), ("ddp",), (2,), ("2x1",), 400, 0.2, 120
 )
 COLUMNS = ["layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"]
 
@@ -164,4 +164,4 @@ def measure(options: harness.Options) -> harness.Report:
 
 
 if __name__ == "__main__":
-    harness.main(measure)
+    harness.main(measure, full_reps=5)
