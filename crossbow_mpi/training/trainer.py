@@ -461,10 +461,11 @@ def _data_topology(
     per rank (hogbatch, elastic), else one data-parallel group."""
     if config.algorithm not in ("omnivore", "hogbatch", "elastic"):
         return Topology.data_parallel(world, data, local_rank, local_size)
+    if config.algorithm != "omnivore":
+        return Topology.grouped(world, data, world.size, local_rank, local_size)  # one group per rank
     groups = config.groups if isinstance(config.groups, int) else 1  # the optimizer starts from one group
     if shrunk:
         groups = max(g for g in range(1, min(groups, world.size) + 1) if world.size % g == 0)
-    groups = groups if config.algorithm == "omnivore" else world.size  # one per rank
     return Topology.grouped(world, data, groups, local_rank, local_size)
 
 
