@@ -10,6 +10,7 @@ import hashlib
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,7 +114,7 @@ class Rollback:
         it; then inject the test's kill, if any (also when not enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled:
             self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
-            self.snapshots[iteration] = copy.deepcopy(state_dict())
+            self.snapshots[iteration] = copy_state(state_dict())
         inject_kill(iteration)
 
     def newest(self) -> int:
@@ -122,3 +123,21 @@ class Rollback:
 
     def at(self, iteration: int) -> dict:
         return self.snapshots[iteration]
+
+
+def copy_state(state: Any) -> Any:
+    """Return a deep copy of `state` whose tensors are clones: a view copies its own elements, where `copy.deepcopy`
+    copies its view's whole storage (the flat buffer) once per view; a list of numbers (a generator's state) is
+    copied whole."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if type(state) is dict:
+        return {key: copy_state(value) for key, value in state.items()}
+    if type(state) in (list, tuple):
+        if all(type(value) in ATOMS for value in state):
+            return type(state)(state)
+        return type(state)(copy_state(value) for value in state)
+    return copy.deepcopy(state)
+
+
+ATOMS = (int, float, bool, str, type(None))

@@ -3,7 +3,6 @@ hyper-parameters; `train_step` is the data path, `state_dict` a snapshot of all 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -278,7 +277,7 @@ class Run:
             "algorithm": self.algorithm.state_dict(),
             "wire": self.algorithm.feedback.state_dict(),
             "choice": self.choice,
-            "rng": copy.deepcopy(process.rng_state()),
+            "rng": process.rng_state(),
         }
 
     def snapshot(self) -> dict:
