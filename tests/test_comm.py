@@ -49,6 +49,21 @@ def test_control_messages_travel_as_bytes_and_json(scope):
     assert scope.allreduce_sum_numbers([1.0, scope.rank]) == [scope.size, sum(range(scope.size))]
 
 
+@pytest.mark.mpi(min_size=1)
+def test_named_tensors_travel_as_a_layout_and_raw_bytes(scope):
+    root = scope.size - 1
+    sent = {
+        "step": torch.tensor(7, dtype=torch.int64),
+        "m": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),
+        "half": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "none": torch.empty(0, 4),
+    }
+    got = scope.bcast_tensors(sent if scope.rank == root else {"other": torch.ones(3)}, root=root)
+    assert list(got) == list(sent)
+    for name, tensor in sent.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_split_scopes_hold_the_ranks_they_name(comm):
     halves = comm.split(comm.rank < comm.size // 2, comm.rank)

@@ -119,16 +119,8 @@ class Omnivore(RoundsAlgorithm):
     def _share_optimizer_state(self) -> None:
         """Give every rank's z's optimizer the server optimizer's state (collective, after `meet`: no update is in
         flight), so that checkpoints and exports hold it."""
-        optimizer, data = self._server_optimizer(), self.transport.data
-        held = optimizer.state_dict() if optimizer is not None else {}
-        layout = data.bcast_json(
-            {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in held.items()}
-        )
-        state = {}
-        for name, (shape, dtype) in layout.items():  # raw bytes beside a JSON layout
-            raw = held[name].cpu().contiguous().view(torch.uint8).numpy().tobytes() if name in held else None
-            received = torch.frombuffer(bytearray(data.bcast_bytes(raw)), dtype=torch.uint8)
-            state[name] = received.view(getattr(torch, dtype)).reshape(shape)
+        optimizer = self._server_optimizer()
+        state = self.transport.data.bcast_tensors(optimizer.state_dict() if optimizer is not None else None)
         assert self.central.optimizer is not None
         self.central.optimizer.load_state_dict(state)
 

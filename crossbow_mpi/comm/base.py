@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -137,6 +138,26 @@ class Communicator(ABC):
         """Return root's JSON-serialisable object on every rank."""
         data = json.dumps(obj).encode() if self.rank == root else None
         return json.loads(self.bcast_bytes(data, root))
+
+    def bcast_tensors(self, tensors: dict[str, torch.Tensor] | None, root: int = 0) -> dict[str, torch.Tensor]:
+        """Return root's named tensors on every rank, on the CPU: a JSON layout, then their raw bytes."""
+        mine = tensors or {}
+        layout = self.bcast_json(
+            {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in mine.items()}, root
+        )
+        raw = b"".join(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in mine.values())
+        received, out, offset = bytearray(self.bcast_bytes(raw if self.rank == root else None, root)), {}, 0
+        for name, (shape, dtype) in layout.items():
+            kind = getattr(torch, dtype)
+            size = math.prod(shape) * torch.empty((), dtype=kind).element_size()
+            chunk = received[offset : offset + size]
+            out[name] = (
+                torch.frombuffer(chunk, dtype=torch.uint8).view(kind).reshape(shape)
+                if size
+                else torch.empty(shape, dtype=kind)
+            )
+            offset += size
+        return out
 
     def allgather_json(self, obj) -> list:
         """Return every rank's JSON-serialisable object, in rank order."""

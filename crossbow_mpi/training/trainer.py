@@ -584,7 +584,7 @@ def _wire_undo(cfg: Config, run: Run, world: Communicator) -> RunDirUndo | None:
     """With a float16 wire: refuse a model whose buffers (elastic: also parameters) are already beyond float16's
     range, before anything is written (collective); return, on rank 0, the run directory's state to restore if the
     first sync's message is (None elsewhere, and with another wire)."""
-    if run.hp.sync_dtype != "fp16" or world.size == 1:  # a --resume takes the checkpoint's
+    if run.hp.sync_dtype != "fp16" or world.size == 1:
         return None
     algorithm = run.algorithm
     algorithm.refuse_overflow(algorithm.dry_message(), world, "at start-up")
