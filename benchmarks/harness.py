@@ -118,6 +118,8 @@ class Report:
     files: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     """What the point store does not hold yet, phase by phase (e.g. "grid 83/270 runs"); empty when complete."""
+    goals: dict = field(default_factory=dict)
+    """The benchmark's goals as measured (each with its target, its value and whether it is met); empty: none."""
 
     def table(self) -> str:
         """Render the rows as a fixed-width text table."""
@@ -189,12 +191,14 @@ def main(
         "settings": report.settings,
         "columns": report.columns,
         "rows": report.rows,
+        "goals": report.goals,
         "runs": report.runs,
         "files": [repo_path(file) for file in report.files],
     }
     path = options.out / f"{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\n{record['question']}\nwrote {path}\n\n{report.table()}", flush=True)
+    goals = f"goals: {json.dumps(report.goals)}\n" if report.goals else ""
+    print(f"\n{record['question']}\nwrote {path}\n{goals}\n{report.table()}", flush=True)
 
 
 def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:
@@ -370,7 +374,7 @@ class PointStore:
         path: Path,
         benchmark: str,
         budget_s: float | None = None,
-        runner: Callable[[str, int, dict, float], dict] = train,
+        runner: Callable[..., dict] = train,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.path, self.benchmark, self.runner, self.clock = path, benchmark, runner, clock
@@ -386,10 +390,19 @@ class PointStore:
         return json.dumps([point[name] for name in fields], sort_keys=True)
 
     def train(
-        self, phase: str, trainer: str, ranks: int, flags: dict, seed: int, timeout: float, limit: dict | None = None
+        self,
+        phase: str,
+        trainer: str,
+        ranks: int,
+        flags: dict,
+        seed: int,
+        timeout: float,
+        limit: dict | None = None,
+        launch: dict | None = None,
     ) -> dict | None:
         """The result of `train` with `flags`, `seed` and the flags of `limit` (a pruning limit, not part of the
-        key): the stored one, else a new run's, else None when the budget is spent."""
+        key), launched with the runner's keywords `launch` (`train`'s `wrap` and `env`; not part of the key): the
+        stored one, else a new run's, else None when the budget is spent."""
         point = {"benchmark": self.benchmark, "phase": phase, "trainer": trainer, "ranks": ranks}
         point |= {"flags": flags, "seed": seed}
         key = self._key(point)
@@ -398,17 +411,16 @@ class PointStore:
             if self.exhausted or self.clock() + max(walls, default=timeout) > self.deadline:
                 self.exhausted = True
                 return None
-            self.records[key] = self._measure(point, limit or {}, timeout)
+            self.records[key] = self._measure(point, limit or {}, timeout, launch or {})
         record = self.records[key]
         measured = {name: record[name] for name in ("date", "code", "load_average", "wall_s")}
         return {**record["result"], **({"limit": record["limit"]} if record["limit"] else {}), "measured": measured}
 
-    def _measure(self, point: dict, limit: dict, timeout: float) -> dict:
+    def _measure(self, point: dict, limit: dict, timeout: float, launch: dict) -> dict:
         """Run one point, append its record to the store's file and return the record."""
         date, load_before, started = datetime.datetime.now(datetime.UTC), os.getloadavg(), self.clock()
-        result = self.runner(
-            point["trainer"], point["ranks"], {**point["flags"], **limit, "seed": point["seed"]}, timeout
-        )
+        flags = {**point["flags"], **limit, "seed": point["seed"]}
+        result = self.runner(point["trainer"], point["ranks"], flags, timeout, **launch)
         record = {
             **point,
             "limit": limit,
@@ -423,10 +435,18 @@ class PointStore:
         return record
 
     def seeded(
-        self, phase: str, trainer: str, ranks: int, flags: dict, timeout: float, first_seed: int = 1
+        self,
+        phase: str,
+        trainer: str,
+        ranks: int,
+        flags: dict,
+        timeout: float,
+        first_seed: int = 1,
+        launch: dict | None = None,
     ) -> Callable[[int], dict | None]:
-        """Return a run for `interleave`: repetition r trains `flags` with seed first_seed + r."""
-        return lambda rep: self.train(phase, trainer, ranks, flags, first_seed + rep, timeout)
+        """Return a run for `interleave`: repetition r trains `flags` with seed first_seed + r (`launch`: as
+        `train`'s)."""
+        return lambda rep: self.train(phase, trainer, ranks, flags, first_seed + rep, timeout, launch=launch)
 
     def provenance(self) -> dict:
         """The store's file, how many runs it holds, and the commits and dates they were measured at."""

@@ -34,6 +34,13 @@ def section(result: dict, base: Path) -> list[str]:
         "",
     ]
     lines += [*markdown_table(result["columns"], result["rows"]), ""]
+    if result.get("goals"):
+        lines += [
+            "Goals, as measured:",
+            "",
+            *(f"- {name}: `{json.dumps(goal)}`" for name, goal in result["goals"].items()),
+        ]
+        lines += [""]
     for file in result["files"]:
         lines += [f"![{Path(file).stem}]({os.path.relpath(file, base)})", ""]
     return lines

@@ -39,7 +39,8 @@ COLUMNS = {
     },
     "memory": {"model", "algorithm", "b", "one_learner_bytes", "vs_bare", "added_learner_bytes", "vs_minimum"},
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
-    "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma"},
+    "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
+    | {"vs_local_sgd", "vs_torchft"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
     "hetero": {
@@ -75,6 +76,7 @@ RECORD_KEYS = {
     "code",
     "missing",
     "points",
+    "goals",
 }
 
 
@@ -248,6 +250,78 @@ def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
         compiled = [row for row in whole.rows if row["role"] == "compiled"]
         assert sorted(row["system"] for row in compiled) == ["ddp", "ssgd"]
         assert sum(1 for _, _, flags in whole_calls if flags.get("compile")) == 2 * 2, "2 systems × 2 seeds"
+
+
+def fake_slow_links(clock: list[float], calls: list, seconds: float):
+    """A runner for slow_link's point store: each call takes `seconds` of the fake `clock` and launches over the
+    link it is given; local steps pay off (nesterov 100 s, central 200 s, per-step SMA 300 s), local SGD is
+    faster than SMA at H = 4 only, and the bytes per sample fall with H and the payload's width."""
+
+    def runner(trainer, ranks, flags, timeout, wrap=None, env=None):
+        calls.append((trainer, flags, timeout))
+        if wrap is not None:
+            wrap(["mpirun", "-n", str(ranks), "--oversubscribe", "python"])
+        clock[0] += seconds
+        h = flags.get("sync_every") or flags.get("local_sgd_every") or flags.get("diloco_every") or 1
+        width = {"fp32": 1, "bf16": 2, "int8": 4}[flags.get("sync_dtype", "fp32")]
+        if trainer == "crossbow":
+            tta_s = 300 if h == 1 else 100 if flags["outer_optimizer"] == "nesterov" else 200
+        else:
+            tta_s = 50 if h == 4 else 150
+        result = {"reached": True, "tta_s": tta_s, "epochs": 1.0, "final_accuracy": 0.99, "samples_per_s": 100.0}
+        return {**result, "comm_bytes_per_sample": 1024 / h / width}
+
+    return runner
+
+
+def test_the_slow_link_grid_runs_in_chunks_link_by_link_goal_variants_first_and_computes_the_goals(
+    tmp_path, monkeypatch
+):
+    from benchmarks import harness, slow_link
+
+    scripts = []
+    monkeypatch.setattr(slow_link.Link, "script", lambda self, *args: scripts.append(args[:1] + args[3:]))
+    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    clock, calls = [0.0], []
+    runner = fake_slow_links(clock, calls, 600)
+
+    def run(budget_s):
+        store = harness.PointStore(tmp_path / "s.jsonl", "slow_link", budget_s, runner, lambda: clock[0])
+        return slow_link.measure(harness.Options("slow_link", False, tmp_path, 3, store))
+
+    every = slow_link.variants(slow_link.FULL)
+    first = [name for name in every if name in slow_link.FULL.first]
+    assert len(first) == len(slow_link.GOAL_VARIANTS) - (not slow_link.TORCHFT) and list(every)[: len(first)] == first
+    keys = {key for variant in every.values() for key in variant.flags}
+
+    def names(made: list) -> list[str]:
+        projected = [{key: flags[key] for key in keys & flags.keys()} for _, flags, _ in made]
+        return [next(name for name, variant in every.items() if variant.flags == flags) for flags in projected]
+
+    partial = run(2400)  # the first run fits by its timeout (2400 s), then 3 more by its 600 s
+    assert names(calls) == first[:4]
+    assert partial.missing[0] == f"100mbit goal variants 4/{len(first) * 3} runs" and len(partial.missing) == 6
+    assert scripts == [("up", slow_link.SUBNET), ("rate", "100mbit"), ("down",)]
+    assert partial.goals["time"]["met"] is True and partial.goals["peers H=16"]["met"] is None, "no peer ran yet"
+    scripts.clear()
+    whole = run(None)
+    assert not whole.missing and len(calls) == len(every) * 3 * 3
+    assert all(flags["time_limit"] == 1800 and timeout == 2400 for _, flags, timeout in calls)
+    assert all(flags["hierarchy"] == "flat" for trainer, flags, _ in calls if trainer == "crossbow")
+    one_link = [name for stage in (first, [n for n in every if n not in first]) for _ in range(3) for name in stage]
+    assert names(calls) == one_link * 3, "goal variants first, 3 seeds interleaved, then the rest; link by link"
+    assert [args for args in scripts if args[0] == "rate"] == [("rate", rate) for rate in slow_link.FULL.rates]
+    goals = whole.goals
+    assert goals["time"]["vs_sma"] == 3 and goals["time"]["met"] is True
+    assert goals["bytes"]["fewer_bytes"] == 256 and goals["bytes"]["variant"].startswith("sma H=64")
+    assert goals["peers H=4"]["met"] is False and goals["peers H=16"]["met"] is True
+    assert goals["peers H=16"]["local-sgd H=16"] == 150 and goals["peers H=16"]["tta_s"] == 100
+    sma_16 = next(row for row in whole.rows if row["link"] == "100mbit" and row["variant"] == "sma H=16 central bf16")
+    assert sma_16["vs_local_sgd"] == 0.75 and sma_16["vs_sma"] == 1.5 and sma_16["fewer_bytes"] == 32
+    scripts.clear()
+    again = run(None)
+    assert again.rows == whole.rows and len(calls) == len(every) * 9 and not scripts, "every run is stored"
 
 
 @pytest.mark.parametrize("stable_below, tried", [(0.006, [0.02, 0.01, 0.005]), (0.0, [0.02, 0.01, 0.005, 0.0025])])
