@@ -108,7 +108,7 @@ QUICK = Budget(
     layouts=("1x2",),
     compiled=(),
     speed_model="mlp",
-    speed_dataset="synthetic-cifar",
+    speed_dataset="synthetic-mnist",
     speed_epochs=0.01,
 )
 
