@@ -42,7 +42,7 @@ COLUMNS = {
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
     | {"vs_local_sgd", "vs_torchft"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
-    "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "groups", "momentum", "lr"},
+    "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "vs_best", "groups", "momentum", "lr"},
     "hetero": {
         "slowdown",
         "algorithm",
@@ -322,6 +322,45 @@ def test_the_slow_link_grid_runs_in_chunks_link_by_link_goal_variants_first_and_
     scripts.clear()
     again = run(None)
     assert again.rows == whole.rows and len(calls) == len(every) * 9 and not scripts, "every run is stored"
+
+
+def test_omnivore_runs_the_auto_criterion_first_and_continues_in_order_across_chunks(tmp_path, monkeypatch):
+    import dataclasses
+
+    from benchmarks import harness, omnivore
+
+    imbalances = {"slow rank": "slow-rank:3:2", "random": "random:30", "none": ""}
+    monkeypatch.setattr(omnivore, "QUICK", dataclasses.replace(omnivore.QUICK, imbalances=imbalances))
+    clock = [0.0]
+
+    def run(path, budget_s):
+        fake, calls = fake_training(clock)
+
+        def runner(trainer, ranks, flags, timeout):  # tuned variants pay for their search, Omnivore less
+            result = fake(trainer, ranks, flags, timeout)
+            return {**result, "tta_s": result["tta_s"] + 5 * ("probe_seconds" in flags) + 2 * ("groups" in flags)}
+
+        store = harness.PointStore(path, "omnivore", budget_s, runner, lambda: clock[0])
+        return omnivore.measure(harness.Options("omnivore", True, tmp_path, 2, store)), calls
+
+    whole, whole_calls = run(tmp_path / "whole.jsonl", None)
+    each = [None] * len(omnivore.ALGORITHMS)
+    criterion = [(spec, seed) for seed in (1, 2) for spec in ("", "random:30") for _ in each]
+    slow = [("slow-rank:3:2", seed) for seed in (1, 2) for _ in each]
+    assert [(flags["inject_imbalance"], flags["seed"]) for _, _, flags in whole_calls] == criterion + slow
+    assert not whole.missing
+    partial, calls = run(tmp_path / "chunks.jsonl", 150)
+    assert partial.missing == ["auto criterion 2/24 runs", "slow rank 0/12 runs"]
+    while partial.missing:
+        partial, more = run(tmp_path / "chunks.jsonl", 300)
+        calls += more
+    assert calls == whole_calls and partial.rows == whole.rows
+    rows = {(row["imbalance"], row["algorithm"]): row for row in whole.rows}
+    for imbalance in imbalances:
+        fixed = rows[(imbalance, "(b) ssgd")]["tta_s"]
+        assert rows[(imbalance, "(b) ssgd")]["vs_best"] == 1.0
+        assert rows[(imbalance, "(b) auto")]["vs_best"] == pytest.approx((fixed + 5) / fixed)
+        assert rows[(imbalance, "(b) omnivore auto")]["vs_best"] == pytest.approx((fixed + 7) / fixed)
 
 
 @pytest.mark.parametrize("stable_below, tried", [(0.006, [0.02, 0.01, 0.005]), (0.0, [0.02, 0.01, 0.005, 0.0025])])
