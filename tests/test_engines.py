@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -165,6 +166,28 @@ def test_the_threads_engine_runs_a_lone_learner_on_the_calling_thread(comm, shar
     run.train_step(0.05)
     assert run.engine.workers == 2
     run.engine.close()
+
+
+def test_the_threads_engine_runs_more_learners_than_threads_in_one_worker_per_thread(monkeypatch):
+    """k = 4 learners on 2 threads run on 2 worker threads, 2 learners each in turn (not 4 busy threads on 2
+    cores), with the sequential engine's gradients and losses."""
+    torch.manual_seed(0)
+    module = mlp_bn_float64()
+    layout = FlatLayout(module)
+    learners = Learners(mlp_bn_float64, layout, CentralModel(module, layout), 4)
+    batches = [(torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.randint(0, 10, (4,))) for _ in range(4)]
+    sequential = ENGINES["sequential"](nn.functional.cross_entropy, threads=2)
+    expected = sequential.compute_gradients(learners, batches), learners.grads.clone()
+    engine = ENGINES["threads"](nn.functional.cross_entropy, threads=2)
+    ran: dict[int, int] = {}
+    step = engine.learner_step
+    monkeypatch.setattr(
+        engine, "learner_step", lambda ls, j, b: (ran.setdefault(j, threading.get_ident()), step(ls, j, b))[1]
+    )
+    losses = engine.compute_gradients(learners, batches)
+    engine.close()
+    assert ran[0] == ran[1] and ran[2] == ran[3] and threading.get_ident() not in ran.values()
+    assert torch.equal(losses, expected[0]) and torch.equal(learners.grads, expected[1])
 
 
 class TiedAndUnused(nn.Module):
