@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from crossbow_mpi.comm import MpiCommunicator, build_communicator
-from crossbow_mpi.comm.base import StopAgreement
+from crossbow_mpi.comm.base import LaggedVote
 
 SCOPES = ["world", "halves", "reversed", "self"]
 
@@ -83,7 +83,7 @@ def test_every_rank_stops_at_the_same_step_lag_steps_after_any_rank_asked(scope,
     comm = scope
     asked_at = {comm.size - 1: 5}  # only the last rank receives a signal, before its step 5
     step = 0
-    stopping = StopAgreement(comm, lag, lambda: step >= asked_at.get(comm.rank, 10**9))
+    stopping = LaggedVote(comm, lag, lambda: step >= asked_at.get(comm.rank, 10**9))
     outcomes = []
     while step < 12:  # the vote reads `step`
         outcomes.append(stopping.poll())
@@ -94,7 +94,7 @@ def test_every_rank_stops_at_the_same_step_lag_steps_after_any_rank_asked(scope,
 
 @pytest.mark.mpi(min_size=2)
 def test_stop_votes_let_a_fast_rank_run_ahead_of_a_slow_one(comm):
-    stopping = StopAgreement(comm, 4, lambda: False)
+    stopping = LaggedVote(comm, 4, lambda: False)
     started = time.monotonic()
     for _ in range(4):
         if comm.rank == 0:

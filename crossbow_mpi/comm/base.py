@@ -234,11 +234,12 @@ def _test_all(requests: list, statuses: list) -> bool:
         raise MPI.Exception(errors[0]) from err
 
 
-class StopAgreement:
-    """Agree across ranks whether any rank received a stop signal, without a blocking collective per step.
+class LaggedVote:
+    """Agree across ranks whether any rank raised a flag (received a stop signal; on rank 0, found a re-tune due),
+    without a blocking collective per step.
 
     `poll()` posts a non-blocking allreduce of this rank's flag on a private channel and returns the outcome
-    of the one posted `lag` calls earlier, so every rank stops at the same step while ranks may run up to
+    of the one posted `lag` calls earlier, so every rank acts at the same step while ranks may run up to
     `lag` steps apart (eager-SGD's do)."""
 
     def __init__(self, comm: Communicator, lag: int, requested):
@@ -249,7 +250,7 @@ class StopAgreement:
         self.pending: list[tuple[np.ndarray, object]] = []
 
     def poll(self) -> bool:
-        """Vote, and return whether the vote of `lag` calls ago found a stop request on any rank (collective)."""
+        """Vote, and return whether the vote of `lag` calls ago found the flag on any rank (collective)."""
         flag = np.array([float(self.requested())])
         self.pending.append((flag, self.channel.iallreduce_sum_(flag)))
         if len(self.pending) <= self.lag:
@@ -259,13 +260,17 @@ class StopAgreement:
         return bool(flag[0])
 
     def now(self) -> bool:
-        """Vote, and return whether any rank received a stop request up to now (collective)."""
+        """Vote, and return whether any rank raises the flag now (collective)."""
         flag = np.array([float(self.requested())])
         wait_sleeping([self.channel.iallreduce_sum_(flag)])
         return bool(flag[0])
 
-    def close(self) -> None:
-        """Complete the votes in flight and free the channel (collective: every rank voted as often)."""
+    def forget(self) -> None:
+        """Complete the votes in flight and drop their outcomes (collective: every rank voted as often)."""
         wait_sleeping([request for _, request in self.pending])
         self.pending = []
+
+    def close(self) -> None:
+        """Complete the votes in flight and free the channel (collective)."""
+        self.forget()
         self.channel.free()

@@ -279,9 +279,7 @@ class OmnivoreOptimizer:
         self.bests.update({p["algorithm"]: self.best(algorithm=p["algorithm"]) for p in self.probes})
         self.start_from(snapshot, choice["algorithm"], choice["groups"], choice["momentum"], choice["lr"])
         seconds = self.world.bcast_json(time.perf_counter() - started)
-        run.state.optimizer_s += seconds
-        if decision == "choice":  # before the loop's clock starts; a re-tune inside the loop is on its clock already
-            run.state.elapsed_s += seconds
+        run.state.optimizer_s += seconds  # on the training clock already: it runs from before the cold start
         record = {
             "event": "optimizer",
             "decision": decision,

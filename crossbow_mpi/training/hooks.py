@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from crossbow_mpi.comm import Communicator
-from crossbow_mpi.comm.base import StopAgreement
+from crossbow_mpi.comm.base import LaggedVote
 from crossbow_mpi.comm.topology import Topology
 from crossbow_mpi.config import Config
 from crossbow_mpi.control.learner_tuner import AutoTuner, Policy
@@ -273,8 +273,9 @@ class Tuning:
 
 class Retuning:
     """With `--groups auto` or `--algorithm auto`: the optimizer chooses before training, unless the run resumed
-    from its choice, and searches again around the current setting every `optimizer_epoch` seconds of training
-    (collective: rank 0's clock decides for every rank)."""
+    from its choice, and searches again around the current setting every `optimizer_epoch` seconds of training.
+    Rank 0's clock decides for every rank, through a vote `lag` steps behind, as the stop votes are: a blocking
+    collective per step would hold eager-SGD's ranks in lockstep, undoing its tolerance of stragglers."""
 
     def __init__(
         self,
@@ -284,12 +285,16 @@ class Retuning:
         metrics: MetricsLog,
         progress: Progress,
         stop: Callable[[], bool],
+        lag: int,
     ):
         self.world = world
         self.optimizer = OmnivoreOptimizer(config, run, metrics, progress, stop) if optimizes(config) else None
         self.every = config.optimizer_epoch if self.optimizer else 0.0
         self.last: float | None = None
         """Training seconds at the last search (until the first: this session's start)."""
+        self.due_here = False
+        """Whether rank 0's clock found a search due at this step (False on the other ranks)."""
+        self.votes = LaggedVote(world, lag, lambda: self.due_here) if self.every else None
 
     def choose(self, run: Run) -> bool:
         """Search from cold before training, unless the run's state was already tuned (resumed); return whether a stop
@@ -298,15 +303,23 @@ class Retuning:
 
     def after_step(self, run: Run, clock: Clock) -> bool:
         """Search again when due; return whether a stop signal ended the search (the run is back at this step)."""
-        if not self.every:
+        if self.votes is None:
             return False
         self.last = run.state.elapsed_s if self.last is None else self.last
-        if self.world.bcast_json(clock.elapsed(run.state) - self.last >= self.every):
-            assert self.optimizer is not None, "`every` is set with an optimizer"
-            if self.optimizer.retune() is None:
-                return True
-            self.last = clock.elapsed(run.state)
+        self.due_here = self.world.rank == 0 and clock.elapsed(run.state) - self.last >= self.every
+        if not self.votes.poll():
+            return False
+        assert self.optimizer is not None, "`votes` are cast with an optimizer"
+        self.votes.forget()  # the votes cast before this search would call for another
+        if self.optimizer.retune() is None:
+            return True
+        self.last = clock.elapsed(run.state)
         return False
+
+    def close(self) -> None:
+        """Complete the votes in flight and free their channel (collective)."""
+        if self.votes is not None:
+            self.votes.close()
 
 
 class Controller(Protocol):
@@ -416,7 +429,7 @@ class Components:
     controllers: Controllers
     retuning: Retuning
     divergence: DivergenceCheck
-    stopping: StopAgreement
+    stopping: LaggedVote
     watchdog: Watchdog | _NoWatchdog
     metrics: MetricsLog
     progress: Progress
@@ -444,14 +457,14 @@ class Components:
         for note in checkpoints.restore(run) if config.resume else []:
             progress.note(note)
         progress.advance(run.state.samples)
-        stopping = StopAgreement(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested)
+        stopping = LaggedVote(world, 0 if run.algorithm.rounds else STOP_LAG, process.stop_requested)
         return cls(
             schedule=Schedule(config),
             evaluation=Evaluation(config, topology.data, test_set, loss_fn, output_fn, metric_fn, metrics, progress),
             checkpoints=checkpoints,
             tuning=tuning,
             controllers=adjusting,
-            retuning=Retuning(config, world, run, metrics, progress, stopping.now),
+            retuning=Retuning(config, world, run, metrics, progress, stopping.now, stopping.lag),
             divergence=DivergenceCheck(world, config.run_dir),
             stopping=stopping,
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
@@ -460,15 +473,18 @@ class Components:
         )
 
     def finish(self, run: Run) -> None:
-        """Complete the stop votes, close the progress display and release the engine's workers (collective)."""
+        """Complete the stop and re-tune votes, close the progress display and release the engine's workers
+        (collective)."""
         self.stopping.close()
+        self.retuning.close()
         self.progress.close()
         run.engine.close()
 
     def channels(self) -> list:
-        """Return the MPI communicators of the control channels (the stop votes', the watchdog's)."""
+        """Return the MPI communicators of the control channels (the stop and re-tune votes', the watchdog's)."""
         watchdog = [self.watchdog.channel.mpi_comm] if isinstance(self.watchdog, Watchdog) else []
-        return [self.stopping.channel.mpi_comm, *watchdog]
+        votes = [self.retuning.votes.channel.mpi_comm] if self.retuning.votes is not None else []
+        return [self.stopping.channel.mpi_comm, *votes, *watchdog]
 
     def close(self, failed: bool = False) -> None:
         """Stop the watchdog and close the metrics (collective, unless the run failed on this rank)."""
