@@ -13,6 +13,7 @@ import torch
 
 from crossbow_mpi import ConfigError, Trainer
 from crossbow_mpi.data import ArrayDataset
+from crossbow_mpi.runtime import ulfm
 from crossbow_mpi.training.checkpoint import checkpoint_path, list_checkpoints
 from crossbow_mpi.training.hooks import Checkpoints, Controllers, Tuning
 from crossbow_mpi.training.records import MetricsLog, Progress
@@ -57,6 +58,40 @@ def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm)
     assert first_state == second_state and first_state["iteration"] == 23
     assert torch.equal(first_rng, second_rng)
     assert not torch.equal(first[0], snapshot["central"]["z"]), "the 20 steps changed nothing"
+
+
+def same_state(a, b) -> bool:
+    """Tell whether two snapshots hold the same values, tensor for tensor."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"algorithm": "sma"},
+        {"algorithm": "ssgd", "optimizer": "adamw"},
+        {"algorithm": "sma", "optimizer": "adamw"},
+        {"algorithm": "sma", "sync_dtype": "int8"},  # the wire's residuals change in place
+    ],
+)
+def test_a_detached_snapshot_shares_nothing_that_training_changes(comm, shared_tmp, overrides):
+    train, _ = snapshot_datasets()
+    cfg = snapshot_config(shared_tmp, **overrides)
+    run = Trainer(cfg, comm).start(snapshot_mlp, train)
+    for _ in range(3):
+        run.train_step(0.05)
+    detached, copied = run.detached_snapshot(), ulfm.copy_state(run.snapshot())
+    for _ in range(3):
+        run.train_step(0.05)
+    assert same_state(detached, copied), "a step changed a part of the snapshot that was not copied"
+    assert not same_state(run.snapshot()["central"], copied["central"]), "the 3 steps changed nothing"
 
 
 @pytest.mark.mpi(min_size=1)

@@ -69,11 +69,11 @@ def test_min_ranks_above_the_jobs_ranks_is_refused(comm, shared_tmp):
         Trainer(Config(run_dir=str(shared_tmp), min_ranks=99), comm)
 
 
-def test_rollback_holds_the_last_two_steps_and_copies_them():
+def test_rollback_holds_the_last_two_steps():
     rollback, state = ulfm.Rollback(True), {"x": [0]}
     for iteration in range(4):
         state["x"][0] = iteration
-        rollback.before_step(iteration, lambda: state)
+        rollback.before_step(iteration, lambda: ulfm.copy_state(state))
     assert sorted(rollback.snapshots) == [2, 3] and rollback.newest() == 3
     assert rollback.at(2)["x"] == [2]
     off = ulfm.Rollback(False)

@@ -105,14 +105,13 @@ class FlatLayout:
             tensors.append((tensor.permute(0, 2, 3, 1) if s.channels_last else tensor).reshape(-1))
         return torch.cat(tensors)
 
-    def to_logical(self, vectors: torch.Tensor) -> torch.Tensor:
+    def to_logical(self, vectors: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """Return a copy of a state, parameter or gradient vector (or of each row of a matrix of them) with every
-        tensor's elements in contiguous (NCHW) order."""
-        return (
-            vectors.index_select(-1, self._index(vectors)[: vectors.shape[-1]])
-            if self.channels_last
-            else vectors.clone()
-        )
+        tensor's elements in contiguous (NCHW) order; `fresh`: `vectors` is a copy that nothing else holds, which
+        needs no second copy in contiguous order."""
+        if self.channels_last:
+            return vectors.index_select(-1, self._index(vectors)[: vectors.shape[-1]])
+        return vectors if fresh else vectors.clone()
 
     def from_logical(self, vectors: torch.Tensor) -> torch.Tensor:
         """Return a copy of vectors in contiguous order (as `to_logical` gives them) in this layout's order."""

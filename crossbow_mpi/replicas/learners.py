@@ -189,7 +189,7 @@ class Learners:
         momentum = (
             self.momentum if self.momentum.shape[1] else self.momentum.new_zeros((self.k, self.layout.num_params))
         )
-        state = {"weights": self.layout.to_logical(weights), "momentum": self.layout.to_logical(momentum)}
+        state = {"weights": self.layout.to_logical(weights, fresh=True), "momentum": self.layout.to_logical(momentum)}
         if self.optimizers is None:
             return state
         optimizer = self.optimizers.state_dict()

@@ -109,12 +109,13 @@ class Rollback:
         self.enabled = enabled
         self.snapshots: dict[int, dict] = {}
 
-    def before_step(self, iteration: int, state_dict: Callable[[], dict]) -> None:
-        """When enabled, keep a copy of `state_dict()`, the state before this iteration's step, and the one before
-        it; then inject the test's kill, if any (also when not enabled: benchmarks/faults.py kills aborting runs)."""
+    def before_step(self, iteration: int, snapshot: Callable[[], dict]) -> None:
+        """When enabled, keep `snapshot()`, the state before this iteration's step (sharing nothing with the live
+        run: `Run.detached_snapshot`), and the one before it; then inject the test's kill, if any (also when not
+        enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled:
             self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
-            self.snapshots[iteration] = copy_state(state_dict())
+            self.snapshots[iteration] = snapshot()
         inject_kill(iteration)
 
     def newest(self) -> int:

@@ -51,6 +51,8 @@ class Step:
 
 ROUND_STEPS = 32
 """Global steps' samples per round of an asynchronous algorithm, unless `round_samples` says."""
+COPIED = {"central": ("z", "u"), "learners": ("weights", "momentum")}
+"""The parts of `Run.state_dict` that are copies of the live state already."""
 AUTO_FIRST = "ssgd"
 """The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
@@ -289,6 +291,16 @@ class Run:
         state = self.state_dict()
         if isinstance(self.algorithm.transport, PartialAllreduce):
             state["unlanded"] = self.algorithm.transport.unlanded()
+        return state
+
+    def detached_snapshot(self) -> dict:
+        """Return `snapshot()` sharing no tensor or list with the live run (what a rollback keeps): z, u and the
+        learners' rows are copies already (`FlatLayout.to_logical`), every other part is copied here."""
+        state = self.snapshot()
+        kept = {part: {key: state[part].pop(key) for key in keys} for part, keys in COPIED.items()}
+        state = ulfm.copy_state(state)
+        for part, tensors in kept.items():
+            state[part].update(tensors)
         return state
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
