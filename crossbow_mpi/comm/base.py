@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -11,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from crossbow_mpi.tensor_bytes import dtype_name, from_bytes, named_dtype, nbytes, to_bytes
 
 if TYPE_CHECKING:
     from crossbow_mpi.comm.int8 import Feedback
@@ -142,20 +143,12 @@ class Communicator(ABC):
     def bcast_tensors(self, tensors: dict[str, torch.Tensor] | None, root: int = 0) -> dict[str, torch.Tensor]:
         """Return root's named tensors on every rank, on the CPU: a JSON layout, then their raw bytes."""
         mine = tensors or {}
-        layout = self.bcast_json(
-            {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in mine.items()}, root
-        )
-        raw = b"".join(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in mine.values())
-        received, out, offset = bytearray(self.bcast_bytes(raw if self.rank == root else None, root)), {}, 0
+        layout = self.bcast_json({name: [list(t.shape), dtype_name(t.dtype)] for name, t in mine.items()}, root)
+        raw = b"".join(map(to_bytes, mine.values()))
+        received, out, offset = self.bcast_bytes(raw if self.rank == root else None, root), {}, 0
         for name, (shape, dtype) in layout.items():
-            kind = getattr(torch, dtype)
-            size = math.prod(shape) * torch.empty((), dtype=kind).element_size()
-            chunk = received[offset : offset + size]
-            out[name] = (
-                torch.frombuffer(chunk, dtype=torch.uint8).view(kind).reshape(shape)
-                if size
-                else torch.empty(shape, dtype=kind)
-            )
+            size = nbytes(named_dtype(dtype), shape)
+            out[name] = from_bytes(received[offset : offset + size], named_dtype(dtype), shape)
             offset += size
         return out
 

@@ -28,6 +28,7 @@ from crossbow_mpi.parallel.partition import param_cut, split_model
 from crossbow_mpi.replicas.engines import LossFn, SequentialEngine
 from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.learners import Learners
+from crossbow_mpi.tensor_bytes import dtype_name, from_bytes, named_dtype, to_bytes
 
 ACTIVATION, GRADIENT = 1, 2
 """Message tags: activations flow to the next stage, their gradients to the previous one."""
@@ -382,8 +383,8 @@ def _encode(value: torch.Tensor | Exception, data: bool = True) -> bytes:
     if isinstance(value, Exception):
         header, raw = {"error": str(value).strip() or type(value).__name__}, b""
     else:
-        header = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
-        raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if data else b""
+        header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape)}
+        raw = to_bytes(value) if data else b""
     text = json.dumps(header).encode()
     return len(text).to_bytes(4, "little") + text + raw
 
@@ -393,7 +394,7 @@ def _decode(data: bytes, device: torch.device) -> torch.Tensor:
     header = json.loads(data[4 : 4 + size])
     if "error" in header:
         raise StageError(header["error"])
-    dtype, raw = getattr(torch, header["dtype"]), bytearray(data[4 + size :])
-    if not raw:
+    dtype, raw = named_dtype(header["dtype"]), data[4 + size :]
+    if not raw:  # only its dtype and shape were sent
         return torch.empty(header["shape"], dtype=dtype, device=device)
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(header["shape"]).to(device)
+    return from_bytes(raw, dtype, header["shape"]).to(device)

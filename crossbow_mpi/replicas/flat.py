@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from crossbow_mpi.tensor_bytes import from_bytes, to_bytes
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -183,22 +185,21 @@ class FlatLayout:
 
     def extra_state_bytes(self, model: nn.Module) -> bytes:
         """Return the model's extra state as raw bytes, tensor after tensor in name order."""
-        return b"".join(map(_raw_bytes, self.extra_state(model).values()))
+        return b"".join(map(to_bytes, self.extra_state(model).values()))
 
     def load_extra_state_bytes(self, model: nn.Module, data: bytes) -> None:
         """Load extra state written by `extra_state_bytes` of an equal layout."""
         state, offset = {}, 0
         for name, own in self.extra_state(model).items():
             size = own.numel() * own.element_size()
-            raw = torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8)
-            state[name] = raw.view(own.dtype).view(own.shape)
+            state[name] = from_bytes(data[offset : offset + size], own.dtype, own.shape)
             offset += size
         assert offset == len(data), "extra state of another layout"
         self.load_extra_state(model, state)
 
     def extra_state_digests(self, model: nn.Module) -> dict[str, str]:
         """Return a short digest of each tensor of the model's extra state, by name."""
-        return {name: hashlib.sha256(_raw_bytes(t)).hexdigest()[:16] for name, t in self.extra_state(model).items()}
+        return {name: hashlib.sha256(to_bytes(t)).hexdigest()[:16] for name, t in self.extra_state(model).items()}
 
     def buffer_refs(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
         """Return (owning module, name) of each non-float buffer: how to read the current tensor cheaply at every
@@ -233,10 +234,6 @@ def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     for row in others:
         out.add_(row)
     return out
-
-
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _slot(path: str, tensor: torch.Tensor, offset: int, channels_last: bool) -> Slot:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from crossbow_mpi.runtime import process
+from crossbow_mpi.tensor_bytes import to_bytes
 
 EXIT_RANK_LOST = 75
 """Exit code of a job that lost ranks and cannot go on (fewer than --min-ranks left, or a pipeline): resume it
@@ -84,7 +85,7 @@ def agree_min(comm, value: int) -> int:
 
 def digest(tensor: torch.Tensor) -> str:
     """Return the SHA-256 of a tensor's bytes."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(to_bytes(tensor)).hexdigest()
 
 
 def inject_kill(iteration: int, step: int = 0, environ=os.environ) -> None:

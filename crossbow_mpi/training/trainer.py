@@ -38,6 +38,7 @@ from crossbow_mpi.replicas.formats import choose_channels_last
 from crossbow_mpi.replicas.optimizers import OptimizerFn, check_optimizer_fn, config_optimizer_fn
 from crossbow_mpi.runtime import process, ulfm
 from crossbow_mpi.runtime.imbalance import parse_imbalance
+from crossbow_mpi.tensor_bytes import from_bytes, to_bytes
 from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.hooks import Clock, Components, Controller, DivergenceError, MetricFn, OutputFn
 from crossbow_mpi.training.rank_run import Run
@@ -495,11 +496,11 @@ def _whole_model(
 ) -> FitResult:
     """Return the result of a pipeline run with the whole `model_fn()` model, joined from the stages' z and extra
     state, the model cut at `cut` (collective over the stage scope)."""
-    states = stage.allgather_bytes(result.central.view(torch.uint8).numpy().tobytes())
+    states = stage.allgather_bytes(to_bytes(result.central))
     extras = stage.allgather_bytes(result._extra)
+    dtype = result.central.dtype
     shards = [
-        (torch.frombuffer(bytearray(z), dtype=result.central.dtype), extra)
-        for z, extra in zip(states, extras, strict=True)
+        (from_bytes(z, dtype, [len(z) // dtype.itemsize]), extra) for z, extra in zip(states, extras, strict=True)
     ]
     model = load_stages(model_fn(), shards, cut)
     layout = FlatLayout(model)
