@@ -18,7 +18,7 @@ LAYERS = {
     3: ["training", "control"],
     2: ["algorithms", "transports", "planner"],
     1: ["replicas", "comm", "parallel", "runtime"],
-    0: ["data", "models", "config"],
+    0: ["data", "models", "config", "tensor_bytes"],
 }
 """Each top-level module or folder of crossbow_mpi by layer: the folder list is the architecture."""
 
