@@ -146,9 +146,10 @@ class Communicator(ABC):
         layout = self.bcast_json({name: [list(t.shape), dtype_name(t.dtype)] for name, t in mine.items()}, root)
         raw = b"".join(map(to_bytes, mine.values()))
         received, out, offset = self.bcast_bytes(raw if self.rank == root else None, root), {}, 0
-        for name, (shape, dtype) in layout.items():
-            size = nbytes(named_dtype(dtype), shape)
-            out[name] = from_bytes(received[offset : offset + size], named_dtype(dtype), shape)
+        for name, (shape, dtype_text) in layout.items():
+            dtype = named_dtype(dtype_text)
+            size = nbytes(dtype, shape)
+            out[name] = from_bytes(received[offset : offset + size], dtype, shape)
             offset += size
         return out
 
