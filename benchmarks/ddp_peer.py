@@ -218,17 +218,7 @@ def train(
     model = DistributedDataParallel(net) if not averaged else broadcast(net)  # rank 0's initial weights
     forward = torch.compile(model) if args.compile else model
     compile_s = None
-    if args.optimizer == "adamw":
-        betas = (args.beta1, args.beta2)
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay
-        )
-    else:
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
-        )
-    if args.local_sgd_every:
-        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=args.local_sgd_every))
+    optimizer = make_optimizer(args, model)
     syncing = contextlib.ExitStack()
     if peer is not None:
         syncing.enter_context(peer.open(net, optimizer))
@@ -270,6 +260,37 @@ def train(
     syncing.close()
     if record is None or record["iteration"] != progress.iterations:
         record = evaluate_and_write()
+    return summary(args, net, record, progress, time_to_target, time_limited, compile_s, peer)
+
+
+def make_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The inner optimizer of `--optimizer`, wrapped for local SGD with `--local-sgd-every`."""
+    if args.optimizer == "adamw":
+        betas = (args.beta1, args.beta2)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        )
+    if args.local_sgd_every:
+        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=args.local_sgd_every))
+    return optimizer
+
+
+def summary(
+    args: argparse.Namespace,
+    net: torch.nn.Module,
+    record: dict,
+    progress: Progress,
+    time_to_target: float | None,
+    time_limited: bool,
+    compile_s: float | None,
+    peer: Syncs | None,
+) -> dict:
+    """The run's summary record, with the fields of crossbow_mpi's."""
+    world = dist.get_world_size()
     every = peer.every if peer is not None else args.local_sgd_every
     name = peer.name if peer is not None else f"local-sgd H={every}" if every else "ddp"
     return {

@@ -146,25 +146,7 @@ def main(
     if sys.argv[1:2] == ["--worker"]:
         _worker_main(worker, Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks.{name}", description=sys.modules["__main__"].__doc__.splitlines()[0]
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny budget, from an empty point store: check that it runs, not speeds"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.json (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--reps", type=int, default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
-    )
-    parser.add_argument(
-        "--budget-minutes",
-        type=float,
-        default=None,
-        help="start no training run that would end past this many minutes; report what the point store holds",
-    )
-    args = parser.parse_args()
+    args = _parser(name, full_reps).parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store_path = args.out / f"{name}{'.quick' if args.quick else ''}.points.jsonl"
     if args.quick:
@@ -199,6 +181,29 @@ def main(
     path.write_text(json.dumps(record, indent=1) + "\n")
     goals = f"goals: {json.dumps(report.goals)}\n" if report.goals else ""
     print(f"\n{record['question']}\nwrote {path}\n{goals}\n{report.table()}", flush=True)
+
+
+def _parser(name: str, full_reps: int) -> argparse.ArgumentParser:
+    """The command line of benchmark `name`."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}", description=sys.modules["__main__"].__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny budget, from an empty point store: check that it runs, not speeds"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.json (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
+    )
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="start no training run that would end past this many minutes; report what the point store holds",
+    )
+    return parser
 
 
 def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -403,3 +404,29 @@ def test_the_torchft_peer_syncs_with_diloco_every_h_steps_and_writes_ddp_peers_r
     assert done.stderr.count("should_commit completed should_commit=true") == 2 * 2  # 2 syncs, on each replica
     lenet_bytes = 431_080 * 4
     assert summary["comm_bytes"] == 2 * lenet_bytes  # 2 syncs, each 2 (P − 1) / P of the parameters
+
+
+class BudgetedStore:
+    """A point store whose budget holds `runs` training runs; a run's time to accuracy is 1 / its lr."""
+
+    def __init__(self, runs: int):
+        self.left = runs
+
+    def train(self, phase, trainer, ranks, flags, seed, timeout, limit):
+        if self.left == 0:
+            return None
+        self.left -= 1
+        return {"reached": True, "tta_s": 1 / flags["lr"], "epochs": 1.0, "final_accuracy": 0.99, "samples_per_s": 1.0}
+
+
+def test_hetero_races_the_goals_slowdown_first_and_chooses_only_from_a_complete_grid():
+    from benchmarks import hetero
+
+    assert hetero.race_order(hetero.FULL) == ["×2", "×1.5", "×4"]
+    grid = len(hetero.FULL.variants) * len(hetero.FULL.lr_grid)
+    partial = SimpleNamespace(store=BudgetedStore(grid - 1))
+    best, runs = hetero.tune(partial, hetero.FULL, "×2")
+    assert len(runs) == grid - 1 and best == {}, "a learning rate chosen from part of the grid"
+    best, runs = hetero.tune(SimpleNamespace(store=BudgetedStore(grid)), hetero.FULL, "×2")
+    assert len(runs) == grid
+    assert {race: lr for race, (lr, _) in best.items()} == {("×2", name): 0.05 for name in hetero.FULL.variants}
