@@ -179,7 +179,6 @@ def measure(options: harness.Options) -> harness.Report:
     balanced = harness.train_row(runs, "balanced / ssgd")["samples_per_s"]
     missing = harness.progress("race", tuning, expected * len(budget.lr_grid))
     missing += harness.progress("final", runs, (expected + 1) * options.reps)
-    finals = {f"{factor} / {name}": flags for (factor, name), (_, flags) in best.items()}
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, {RANKS} "
         "ranks × 1 thread, rank 1 slowed, each variant at its best learning rate of one grid (medians with min–max "
@@ -189,7 +188,12 @@ def measure(options: harness.Options) -> harness.Report:
         columns=COLUMNS,
         rows=final_rows(budget, best, runs, balanced),
         runs=[{"phase": "race", **run} for run in tuning] + [{"phase": "final", **run} for run in runs],
-        settings={"ranks": RANKS, "budget": asdict(budget), "variants": finals, "balanced_samples_per_s": balanced},
+        settings={
+            "ranks": RANKS,
+            "budget": asdict(budget),
+            "variants": variant_keys(best),
+            "balanced_samples_per_s": balanced,
+        },
         missing=missing,
     )
 
@@ -197,12 +201,17 @@ def measure(options: harness.Options) -> harness.Report:
 def final_runs(options: harness.Options, budget: Budget, factor: str, chosen: dict) -> dict:
     """Each variant's best flags under one slowdown, seeded for `interleave` (seed 1 is its race run, from the
     store); the goal's slowdown brings the balanced S-SGD run, at that slowdown's best S-SGD learning rate."""
-    finals = {f"{factor} / {name}": flags for (_, name), (_, flags) in chosen.items()}
+    finals = variant_keys(chosen)
     if factor == GOAL and (factor, "ssgd") in chosen:
         finals["balanced / ssgd"] = variant_flags(budget, "ssgd", "", chosen[(factor, "ssgd")][0])
     return {
         key: options.store.seeded("race", "crossbow", RANKS, flags, budget.timeout_s) for key, flags in finals.items()
     }
+
+
+def variant_keys(chosen: dict) -> dict:
+    """The chosen flags of each (slowdown, variant) under its run key, "slowdown / variant"."""
+    return {f"{factor} / {name}": flags for (factor, name), (_, flags) in chosen.items()}
 
 
 if __name__ == "__main__":
