@@ -134,6 +134,11 @@ def variants(budget: Budget) -> dict[str, Variant]:
     return {name: found[name] for name in [*first, *(name for name in found if name not in first)]}
 
 
+NODE_ENV = {"MASTER_ADDR": f"{SUBNET}.2", "GLOO_SOCKET_IFNAME": "eth0"}
+"""The gloo peers' environment on the nodes: node 0's address, and the interface gloo listens on (without it gloo
+takes the address of the node's hostname, a loopback one, which the other node cannot reach)."""
+
+
 class Link:
     """Two namespace nodes whose links are limited to `rate`, made at the first launch over them; `wrap` launches
     an mpirun command on them."""
@@ -210,7 +215,7 @@ def link_runs(options: harness.Options, budget: Budget, rate: str, every: dict[s
     runs, missing = [], []
     with tempfile.TemporaryDirectory(prefix="slow-link-") as directory:
         link = None if rate == "host" else Link(rate, Path(directory))
-        launch = {} if link is None else {"wrap": link.wrap, "env": {"MASTER_ADDR": f"{SUBNET}.2"}}
+        launch = {} if link is None else {"wrap": link.wrap, "env": NODE_ENV}
         try:
             for stage, names in stages.items():
                 seeded = {
