@@ -53,7 +53,8 @@ def diloco(args: argparse.Namespace, net: torch.nn.Module, inner: torch.optim.Op
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
     port = torch.tensor([int(lighthouse.address().rsplit(":", 1)[1]) if lighthouse else 0])
     dist.broadcast(port, src=0)
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    address = own_address(master)  # the other replicas' process group meets at the quorum's store: not localhost
+    store = TCPStore(address, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=TIMEOUT),
         load_state_dict=net.load_state_dict,
@@ -65,11 +66,11 @@ def diloco(args: argparse.Namespace, net: torch.nn.Module, inner: torch.optim.Op
         connect_timeout=TIMEOUT,
         rank=0,
         world_size=1,
-        store_addr="localhost",
+        store_addr=address,
         store_port=store.port,
         lighthouse_addr=f"http://{master}:{int(port)}",
         replica_id=str(rank),
-        hostname=own_address(master),
+        hostname=address,
     )
     outer = torch.optim.SGD(net.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True)
     try:
