@@ -30,6 +30,8 @@ from helpers import MNIST_DIR, world
 
 pytestmark = pytest.mark.slow
 
+ALGORITHMS = ("eager", "sma", "ssgd")
+
 REFERENCE_SHA256 = {
     # at b2f8a43, on the machine of 2026-11-30 (its fingerprint was not recorded)
     "unrecorded": {
@@ -83,7 +85,7 @@ def kernel_fingerprint() -> str:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["eager", "sma", "ssgd"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_final_central_model_is_bit_identical_to_before_the_redesign(comm, shared_tmp, algorithm):
     if comm.size != 2:
         pytest.skip("the reference was recorded at -n 2")
@@ -100,7 +102,7 @@ def record() -> None:
     """Print this CPU's fingerprint and digests, as a line of REFERENCE_SHA256 (run under `mpirun -n 2`)."""
     comm = MpiCommunicator(world())
     run_dir = Path(comm.bcast_json(tempfile.mkdtemp(prefix="crossbow-bits-") if comm.rank == 0 else None))
-    digests = {name: short_run(comm, run_dir / name, name) for name in ("eager", "sma", "ssgd")}
+    digests = {name: short_run(comm, run_dir / name, name) for name in ALGORITHMS}
     comm.barrier()
     if comm.rank == 0:
         shutil.rmtree(run_dir)
