@@ -47,7 +47,15 @@ def diloco(args: argparse.Namespace, net: torch.nn.Module, inner: torch.optim.Op
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
+    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo
+
+    class AddressedTransport(HTTPTransport):
+        """torchft's checkpoint server, advertised at `address`: its own names the hostname, which a namespace
+        node's peers cannot resolve (the recovery at the first quorum then fails, and the replicas wait)."""
+
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     rank, world, master = dist.get_rank(), dist.get_world_size(), os.environ["MASTER_ADDR"]
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
@@ -71,6 +79,7 @@ def diloco(args: argparse.Namespace, net: torch.nn.Module, inner: torch.optim.Op
         lighthouse_addr=f"http://{master}:{int(port)}",
         replica_id=str(rank),
         hostname=address,
+        checkpoint_transport=AddressedTransport(timeout=TIMEOUT, num_chunks=0),
     )
     outer = torch.optim.SGD(net.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True)
     try:
