@@ -1,15 +1,15 @@
 """Heterogeneous ranks, a fair race: 2 ranks × 1 thread on 2 cores (one core each, no oversubscription), rank 1
 slowed by ×1.5, ×2 and ×4; LeNet/MNIST to 99 %.
 
-Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes, Hogbatch, Adaptive Hogbatch and adaptive
-elastic averaging (HeteroGPU's defaults: ±32 per merge). Each variant's learning rate is tuned on the same grid
-under each slowdown (seed 1, pruned by the best time so far, as `benchmarks/tta.py` does); the best one then runs
-on `--reps` seeds (default 5). The table gives medians with min–max of the time to accuracy, samples/s beside it,
-and samples/s as a share of the ideal bound: with rank 1 slowed by f, the ranks can at best train
-(1 + 1/f)/2 of the balanced S-SGD run's samples/s (measured on the same seeds, without a slowdown). `settle_epochs`
-is where an adaptive run's samples/s first reaches 90 % of its settled value (crossbow_mpi.report.settle_epoch,
-which `python -m crossbow_mpi.report` also draws and prints). Every run is kept in the point store, so a long
-sweep runs in chunks (`--budget-minutes`).
+Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes, Hogbatch, Adaptive Hogbatch (with and without
+HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's defaults: ±32 per merge). Each variant's
+learning rate is tuned on the same grid under each slowdown (seed 1, pruned by the best time so far, as
+`benchmarks/tta.py` does); the best one then runs on `--reps` seeds (default 5). The table gives medians with
+min–max of the time to accuracy, samples/s beside it, and samples/s as a share of the ideal bound: with rank 1
+slowed by f, the ranks can at best train (1 + 1/f)/2 of the balanced S-SGD run's samples/s (measured on the same
+seeds, without a slowdown). `settle_epochs` is where an adaptive run's samples/s first reaches 90 % of its settled
+value (crossbow_mpi.report.settle_epoch, which `python -m crossbow_mpi.report` also draws and prints). Every run is
+kept in the point store, so a long sweep runs in chunks (`--budget-minutes`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,16 @@ ALGORITHMS = {
     "ssgd adaptive": {"algorithm": "ssgd", "adaptive_batch": True},
     "hogbatch": {"algorithm": "hogbatch", "momentum": 0},
     "hogbatch adaptive": {"algorithm": "hogbatch", "momentum": 0, "adaptive_batch": True},
+    "hogbatch adaptive scaled": {
+        "algorithm": "hogbatch",
+        "momentum": 0,
+        "adaptive_batch": True,
+        "batch_scaled_lr": True,
+    },
     "elastic adaptive": {"algorithm": "elastic", "adaptive_batch": True},
 }
-"""Variants, with the trainer's defaults for the adaptive batch rule (HeteroGPU's: every merge, ±32)."""
+"""Variants, with the trainer's defaults for the adaptive batch rule (HeteroGPU's: every merge, ±32); "scaled":
+with HeteroGPU's step η·b_i/B too (`--batch-scaled-lr`)."""
 GOAL = "×2"
 """The slowdown the goal is set at."""
 ROUNDS = ("hogbatch", "elastic")

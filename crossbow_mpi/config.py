@@ -215,9 +215,12 @@ class Config:
     local_momentum: bool = False
     """elastic: take `momentum` in the local steps and `merge_momentum` at the merge; default: plain local SGD
     steps and `momentum` at the merge, as HeteroGPU."""
+    batch_scaled_lr: bool = False
+    """hogbatch: scale each rank's updates by b_i/B, its batch size over `base_batch` (HeteroGPU's step η·b_i/B,
+    which it pairs with the adaptive batch sizes); default: one step size for every rank, as CPU+GPU Hogbatch."""
     base_batch: float = 0.0
-    """elastic: base batch B of the local step size η·b_i/B (HeteroGPU's linear scaling); 0: the mean of
-    `batch_size` at the start."""
+    """elastic, and hogbatch with `batch_scaled_lr`: base batch B of the step size η·b_i/B (HeteroGPU's linear
+    scaling); 0: the mean of `batch_size` at the start."""
     merge_l2: bool = False
     """elastic: HeteroGPU's adaptive normalisation: the merge weight of the rank with the most updates times 1.1,
     of the one with the fewest times 0.9 (not renormalised, as the artifact)."""
@@ -439,6 +442,11 @@ class Config:
             raise ConfigError(f"--time-limit must be 0 (no limit) or positive seconds, got {self.time_limit}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.batch_scaled_lr and self.algorithm != "hogbatch":
+            raise ConfigError(
+                f"--batch-scaled-lr applies to --algorithm hogbatch, not {self.algorithm} (elastic always scales its "
+                "step by b_i/B)"
+            )
         if self.fused_step and self.algorithm not in FUSED_ALGORITHMS:
             raise ConfigError(f"--fused-step applies to --algorithm sma, ssgd or auto, not {self.algorithm}")
         if self.on_rank_loss == "continue" and self.algorithm not in SURVIVING_ALGORITHMS:

@@ -22,7 +22,7 @@ from crossbow_mpi.runtime import process
 from crossbow_mpi.train import parse_config
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
-from helpers import metrics_records, mlp, run_config, run_job
+from helpers import BATCH, datasets, metrics_records, mlp, mlp_bn, run_config, run_job, self_comm
 from reference import relative_error, sgd_reference
 
 STEPS = 12
@@ -49,6 +49,7 @@ def test_batch_size_and_threads_take_one_value_or_one_per_rank():
         (["--device", "mixed,cpu"], "--device: unknown value 'mixed'"),
         (["--device", "cpu,gpu"], "--device: unknown value 'gpu'"),
         (["--batch-size", "8,4", "--pipeline-stages", "2"], "one --batch-size for every rank"),
+        (["--batch-scaled-lr", "--algorithm", "elastic"], "--batch-scaled-lr applies to --algorithm hogbatch"),
     ],
 )
 def test_bad_per_rank_values_are_config_errors(argv, message):
@@ -184,6 +185,22 @@ def test_bad_schedule_flags_are_config_errors(flags, message):
 def test_batch_min_above_batch_max_is_a_config_error():
     with pytest.raises(ConfigError, match="--batch-min 9 exceeds --batch-max 8"):
         parse_config(["--adaptive-batch", "--batch-min", "9", "--batch-max", "8"]).validate(ALGORITHMS)
+
+
+def test_hogbatchs_batch_scaled_step_is_eta_b_over_b_base_bit_for_bit(tmp_path):
+    """One rank, B = 2b: every update scaled by 1/2 (exact in floating point), with momentum and weight decay, is
+    the run at half the learning rate, bit for bit; the default (s = 1) is not."""
+    train, test = datasets(1, 1)
+    central = {}
+    for name, flags in {
+        "scaled": {"batch_scaled_lr": True, "base_batch": 2 * BATCH, "lr": 0.1},
+        "half": {"lr": 0.05},
+        "unscaled": {"base_batch": 2 * BATCH, "lr": 0.1},
+    }.items():
+        cfg = run_config(tmp_path / name, algorithm="hogbatch", learners=1, comm="mpi", **flags)
+        central[name] = Trainer(cfg, self_comm()).fit(mlp_bn, train, test).central
+    assert torch.equal(central["scaled"], central["half"])
+    assert not torch.equal(central["unscaled"], central["half"])
 
 
 @pytest.mark.mpi(min_size=1)

@@ -128,7 +128,7 @@ def test_the_server_steps_its_adamw_once_per_group_update_and_every_rank_takes_i
         generator = torch.Generator().manual_seed(comm.rank)
         sent = [[*torch.randint(-9, 10, (width,), generator=generator).double().tolist(), 1.0] for _ in range(steps)]
         for message in sent:
-            server.exchange(torch.tensor(message, dtype=torch.float64), z, params=(0.01, 0.0, 0.0))
+            server.exchange(torch.tensor(message, dtype=torch.float64), z, params=(0.01, 0.0, 0.0, 1.0))
         server.meet((z, central.u))
         omnivore._share_optimizer_state()
         server.stop()

@@ -6,9 +6,10 @@ The P ranks form G groups of P/G consecutive ranks. Every step of group γ (cros
     g = Σ_r β_r Σ_j ∇ℓ(w_j) / Σ_r β_r k        (w_j = z_γ, the central model γ last read; β_r = b_r / max b: rank
                                                  r's share of the group's batch; k learners per rank)
     g ← g · min(1, c / (‖g‖ + 10⁻⁶))           (with `--clip-grad-norm c`: the norm of the group's gradient)
-    at the server, applied to whatever z is then:  u ← μ u + (g + λ z);  z ← z − η u
-                                                 (with another optimizer than sgd: the server's optimizer steps z
-                                                  with g; its state is held beside z and u)
+    at the server, applied to whatever z is then:  u ← μ u + s (g + λ z);  z ← z − η u
+                                                 (s = 1, or hogbatch's b_r / B; with another optimizer than sgd:
+                                                  the server's optimizer steps z with g and step size s η; its
+                                                  state is held beside z and u)
     every learner of γ becomes the new z
 
 μ is the explicit momentum: `--momentum` less asynchrony's implicit 1 − 1/G (`explicit_momentum`), or as given
@@ -54,6 +55,8 @@ class Omnivore(RoundsAlgorithm):
         self.server_optimizer: RowOptimizers | None = None
         """On the server's rank, with another optimizer than sgd: the server's, stepping its held z (made at its
         first use: the run gives z its optimizer after building the algorithm)."""
+        self.step_scale = 1.0
+        """s: the factor of this group's updates at the server (hogbatch with `batch_scaled_lr`: b_r / B)."""
         self.transport.serve((self.central.z, self.central.u), self.update_central)
 
     def batch_sizes(self, batch_size: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -78,14 +81,14 @@ class Omnivore(RoundsAlgorithm):
     def sync(self, lr: float) -> None:
         hp = self.hp
         self.next_position = self.transport.exchange(
-            self.sum_staged(), self.central.z, (lr, hp.momentum, hp.weight_decay), self.group_step
+            self.sum_staged(), self.central.z, (lr, hp.momentum, hp.weight_decay, self.step_scale), self.group_step
         )
         self.learners.reset_to(self.central.z)
 
     def update_central(self, held: Sequence[torch.Tensor], message: torch.Tensor, params: Sequence[float]) -> None:
         """Apply one group's summed message [gradients | buffers | learners] to the server's z and u, or step z with
         the server's optimizer."""
-        (z, u), (lr, momentum, weight_decay) = held, params
+        (z, u), (lr, momentum, weight_decay, scale) = held, params
         num_params, carried = u.numel(), message[-1:]
         torch.div(message[num_params:-1], carried, out=z[num_params:])
         g = message[:num_params].div_(carried)
@@ -93,10 +96,10 @@ class Omnivore(RoundsAlgorithm):
             clip_rows(g.unsqueeze(0), self.hp.clip_grad_norm)
         optimizer = self._server_optimizer()
         if optimizer is not None:
-            optimizer.step(slice(None), g.unsqueeze(0), lr)
+            optimizer.step(slice(None), g.unsqueeze(0), lr * scale)
             return
         g.add_(z[:num_params], alpha=weight_decay)
-        u.mul_(momentum).add_(g)
+        u.mul_(momentum).add_(g, alpha=scale)
         z[:num_params].sub_(u, alpha=lr)
 
     def _server_optimizer(self) -> RowOptimizers | None:

@@ -112,8 +112,11 @@ class HyperParams(_Serialised):
     """Largest L2 norm of a gradient an update takes (0: no clipping)."""
     local_momentum: bool = False
     """elastic: μ in the local steps and `merge_momentum` at the merge (default: μ at the merge, as HeteroGPU)."""
+    batch_scaled_lr: bool = False
+    """hogbatch: scale each rank's updates by b_i/B (HeteroGPU's step η·b_i/B)."""
     base_batch: float = 0.0
-    """elastic: base batch B of the local step size η·b_i/B; 0: the mean of `batch_size` at the start."""
+    """elastic, and hogbatch with `batch_scaled_lr`: base batch B of the step size η·b_i/B; 0: the mean of
+    `batch_size` at the start."""
     merge_l2: bool = False
     """elastic: HeteroGPU's adaptive normalisation of the merge weights."""
 
