@@ -70,7 +70,8 @@ class Budget:
 
 
 GOAL_VARIANTS = ("sma H=1", "sma H=16 nesterov bf16", "sma H=16 nesterov int8", "sma H=16 central bf16")
-GOAL_VARIANTS += ("sma H=16 nesterov bf16 F=4", "local-sgd H=16", "torchft-diloco H=16")
+GOAL_VARIANTS += ("sma H=16 nesterov bf16 F=4", "local-sgd H=16", "torchft-diloco H=16", "sma H=16 nesterov fp32")
+"""The goals' evidence, run first at each link: fp32 SMA last, against the peers' fp32 payloads."""
 FULL = Budget(
     ("100mbit", "1gbit", "10mbit"),
     (4, 16, 64),
