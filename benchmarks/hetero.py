@@ -1,7 +1,7 @@
 """Heterogeneous ranks, a fair race: 2 ranks × 1 thread on 2 cores (one core each, no oversubscription), rank 1
 slowed by ×1.5, ×2 and ×4; LeNet/MNIST to 99 %.
 
-Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes, Hogbatch, Adaptive Hogbatch (with and without
+Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes (with and without `--adapt-hold`), Hogbatch, Adaptive Hogbatch (with and without
 HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's defaults: ±32 per merge). Each variant's
 learning rate is tuned on the same grid under each slowdown (seed 1, pruned by the best time so far, as
 `benchmarks/tta.py` does); the best one then runs on `--reps` seeds (default 5). The table gives medians with
@@ -23,6 +23,7 @@ RANKS = 2
 ALGORITHMS = {
     "ssgd": {"algorithm": "ssgd"},
     "ssgd adaptive": {"algorithm": "ssgd", "adaptive_batch": True},
+    "ssgd adaptive hold": {"algorithm": "ssgd", "adaptive_batch": True, "adapt_hold": True},
     "hogbatch": {"algorithm": "hogbatch", "momentum": 0},
     "hogbatch adaptive": {"algorithm": "hogbatch", "momentum": 0, "adaptive_batch": True},
     "hogbatch adaptive scaled": {
@@ -34,7 +35,8 @@ ALGORITHMS = {
     "elastic adaptive": {"algorithm": "elastic", "adaptive_batch": True},
 }
 """Variants, with the trainer's defaults for the adaptive batch rule (HeteroGPU's: every merge, ±32); "scaled":
-with HeteroGPU's step η·b_i/B too (`--batch-scaled-lr`)."""
+with HeteroGPU's step η·b_i/B too (`--batch-scaled-lr`); "hold": a move only where it is predicted to balance
+the ranks better (`--adapt-hold`)."""
 GOAL = "×2"
 """The slowdown the goal is set at."""
 ROUNDS = ("hogbatch", "elastic")

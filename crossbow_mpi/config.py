@@ -136,6 +136,10 @@ class Config:
     """With `adaptive_batch`: largest batch size per learner."""
     batch_step: int = 32
     """With `adaptive_batch`: change of a rank's batch size per window (32, HeteroGPU's)."""
+    adapt_hold: bool = False
+    """With `adaptive_batch`: move the sizes only when the move is predicted to balance the ranks better (from
+    each rank's measured rate); HeteroGPU moves at every window, which swings when `batch_step` is large against
+    the batch."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""

@@ -154,6 +154,19 @@ def test_adapt_grows_the_faster_ranks_batches_and_shrinks_the_slower_within_boun
     assert adapt(policy, [0.5, 0.5], (4, 6)) == (4, 6)
 
 
+def test_adapt_with_hold_settles_where_the_artifacts_rule_swings():
+    swinging = BatchPolicy(every=1, smallest=1, largest=1024, step=32)
+    holding = BatchPolicy(every=1, smallest=1, largest=1024, step=32, hold=True)
+    # rank 1 takes twice rank 0's time per sample: at (64, 64) it makes a third of the updates
+    assert adapt(swinging, [2 / 3, 1 / 3], (64, 64)) == adapt(holding, [2 / 3, 1 / 3], (64, 64)) == (96, 32)
+    # at (96, 32) the steps take 96 and 64: moving back would predict (2/3, 1/3) again, further from 1/2
+    assert adapt(swinging, [0.4, 0.6], (96, 32)) == (64, 64)
+    assert adapt(holding, [0.4, 0.6], (96, 32)) == (96, 32)
+    assert adapt(holding, [0.4, 0.4, 0.2], (8, 4, 6)) == (8, 4, 6), "a step of 32 overshoots every rank"
+    finer = BatchPolicy(every=1, smallest=2, largest=9, step=2, hold=True)
+    assert adapt(finer, [0.4, 0.4, 0.2], (8, 4, 6)) == (9, 6, 4)
+
+
 def test_adaptive_batch_keeps_the_sizes_during_the_warm_up():
     run = SimpleNamespace(epoch_progress=0.25, algorithm=SimpleNamespace(rounds=True))
     controller = AdaptiveBatch(BatchPolicy(every=1, smallest=1, largest=64, step=32, fixed_until=0.5), scope=None)

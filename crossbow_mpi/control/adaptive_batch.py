@@ -8,6 +8,11 @@ compare each rank's share of the updates p_i with 1/P and move its batch size by
                                          p_i is the share of the updates it would make at its own pace
     p_i > 1/P and b_i < largest:  b_i += step;     p_i < 1/P and b_i > smallest:  b_i −= step
 
+With `hold` (not in the artifact) a move is made only when it is predicted to bring the shares closer to 1/P:
+rank i's rate scales as 1/b_i at its measured seconds per sample, so p'_i ∝ p_i·b_i/b'_i, and the move stands when
+max_i |p'_i − 1/P| < max_i |p_i − 1/P|. Without it, a step that is large against the batch never settles: at
+batch 64, step 32 and one rank half as fast, the sizes swing between (64, 64) and (96, 32) at every window.
+
 The sizes stay fixed during the learning-rate warm-up, as the artifact's do. A faster rank gets a larger batch:
 update counts even out in hogbatch and elastic, step times (so no rank waits at the sync) in the synchronous
 algorithms, where S-SGD still averages by samples. (Ma and Rusu's Adaptive Hogbatch, arXiv 2004.08771, balances
@@ -37,6 +42,8 @@ class BatchPolicy:
     """Change of a rank's batch size per window."""
     fixed_until: float = 0.0
     """Epochs during which the sizes stay fixed (the learning-rate warm-up)."""
+    hold: bool = False
+    """Move only when the move is predicted to balance the shares better (see the module docstring)."""
 
 
 def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -49,7 +56,21 @@ def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> t
         elif share < fair and size > policy.smallest:
             size = max(size - policy.step, policy.smallest)
         adapted.append(size)
+    if policy.hold and imbalance(predicted(shares, sizes, adapted)) >= imbalance(shares):
+        return sizes
     return tuple(adapted)
+
+
+def predicted(shares: list[float], sizes: tuple[int, ...], adapted: list[int]) -> list[float]:
+    """Return the shares predicted after moving the batch sizes from `sizes` to `adapted`: each rank's rate
+    scales as 1/b_i at its measured seconds per sample."""
+    rates = [share * size / new for share, size, new in zip(shares, sizes, adapted, strict=True)]
+    return [rate / max(sum(rates), 1e-12) for rate in rates]
+
+
+def imbalance(shares: list[float]) -> float:
+    """Return the largest distance of a share from 1/P."""
+    return max(abs(share - 1.0 / len(shares)) for share in shares)
 
 
 @dataclass

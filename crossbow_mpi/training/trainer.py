@@ -281,7 +281,9 @@ class Trainer:
         """Build the loop's components for `run` (collective; with `cfg.resume`, restore the run)."""
         controllers = inputs.controllers
         if cfg.adaptive_batch:
-            policy = BatchPolicy(cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs)
+            policy = BatchPolicy(
+                cfg.adapt_every, cfg.batch_min, cfg.batch_max, cfg.batch_step, cfg.warmup_epochs, cfg.adapt_hold
+            )
             controllers = [*controllers, AdaptiveBatch(policy, self.topology.data)]
         args = (inputs.test_set, inputs.loss_fn, inputs.output_fn, inputs.metric_fn, controllers, self.device)
         return Components.build(cfg, self.topology, run, *args)
