@@ -1,8 +1,9 @@
 """Heterogeneous ranks, a fair race: 2 ranks × 1 thread on 2 cores (one core each, no oversubscription), rank 1
 slowed by ×1.5, ×2 and ×4; LeNet/MNIST to 99 %.
 
-Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes (with and without `--adapt-hold`), Hogbatch, Adaptive Hogbatch (with and without
-HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's defaults: ±32 per merge). Each variant's
+Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes (with and without `--adapt-hold`), Hogbatch,
+Adaptive Hogbatch (with and without HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's
+defaults: ±32 per merge). Each variant's
 learning rate is tuned on the same grid under each slowdown (seed 1, pruned by the best time so far, as
 `benchmarks/tta.py` does); the best one then runs on `--reps` seeds (default 5). The table gives medians with
 min–max of the time to accuracy, samples/s beside it, and samples/s as a share of the ideal bound: with rank 1
