@@ -160,6 +160,7 @@ def test_default_run_reaches_99_percent_on_two_ranks(tmp_path):
         "test_loss",
         "train_loss",
         "samples_per_s",
+        "eval_s",
         "learners",
     ):
         assert all(key in r for r in evaluations), key

@@ -135,9 +135,11 @@ class Evaluation:
         """Evaluate (collective; the run is settled); return the record."""
         state, cfg = run.state, self.config
         run.central.check_extra_state(self.data)
+        started = time.perf_counter()
         tested = evaluate_model(
             run.central.module, self.test_set, self.data, self.loss_fn, self.output_fn, self.metric_fn
         )
+        eval_s = time.perf_counter() - started
         train_loss = self.data.allreduce_sum_numbers([state.loss_sum, state.loss_count])
         record = {
             "time_s": elapsed_s,
@@ -149,6 +151,7 @@ class Evaluation:
             "train_loss": train_loss[0] / max(train_loss[1], 1),
             "learners": run.learners.k,
             "samples_per_s": self.window_samples / max(self.window_seconds, 1e-9),
+            "eval_s": eval_s,
             "lr": lr,
             "explicit_momentum": run.hp.momentum,
         }
