@@ -2,16 +2,14 @@
 slowed by ×1.5, ×2 and ×4; LeNet/MNIST to 99 %.
 
 Variants: S-SGD with fixed batches, S-SGD with adaptive batch sizes (with and without `--adapt-hold`), Hogbatch,
-Adaptive Hogbatch (with and without HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's
-defaults: ±32 per merge). Each variant's
-learning rate is tuned on the same grid under each slowdown (seed 1, pruned by the best time so far, as
-`benchmarks/tta.py` does); the best one then runs on `--reps` seeds (default 5). The table gives medians with
-min–max of the time to accuracy, samples/s beside it, and samples/s as a share of the ideal bound: with rank 1
-slowed by f, the ranks can at best train (1 + 1/f)/2 of the balanced S-SGD run's samples/s (measured on the same
-seeds, without a slowdown). `settle_epochs` is where an adaptive run's samples/s first reaches 90 % of its settled
-value (crossbow_mpi.report.settle_epoch, which `python -m crossbow_mpi.report` also draws and prints). Every run is
-kept in the point store, so a long sweep runs in chunks (`--budget-minutes`).
-"""
+Adaptive Hogbatch (with and without HeteroGPU's step η·b_i/B) and adaptive elastic averaging (HeteroGPU's defaults:
+±32 per merge). Each variant's learning rate is tuned on the same grid under each slowdown (seed 1, pruned by the
+best time so far, as `benchmarks/tta.py` does); the best one then runs on `--reps` seeds (default 5). The table
+gives medians with min–max of the time to accuracy, samples/s beside it, and samples/s as a share of the ideal
+bound: with rank 1 slowed by f, the ranks can at best train (1 + 1/f)/2 of the balanced S-SGD run's samples/s
+(measured on the same seeds, without a slowdown). `settle_epochs` is where an adaptive run's samples/s first reaches
+90 % of its settled value (crossbow_mpi.report.settle_epoch, which `python -m crossbow_mpi.report` also draws and
+prints). Every run is kept in the point store, so a long sweep runs in chunks (`--budget-minutes`)."""
 
 from __future__ import annotations
 
