@@ -137,9 +137,9 @@ class Config:
     batch_step: int = 32
     """With `adaptive_batch`: change of a rank's batch size per window (32, HeteroGPU's)."""
     adapt_hold: bool = False
-    """With `adaptive_batch`: move the sizes only when the move is predicted to balance the ranks better (from
-    each rank's measured rate); HeteroGPU moves at every window, which swings when `batch_step` is large against
-    the batch."""
+    """With `adaptive_batch`: of the moves by `batch_step`, its half, quarter, … 1, make the one predicted to balance
+    the ranks best (from each rank's measured rate), and none if none improves on the measured balance; HeteroGPU
+    moves by `batch_step` at every window, which swings when it is large against the batch."""
     engine: str = "auto"
     """How a rank's learners share its device: `sequential`, `threads` (concurrently on CPU cores), `streams`
     (one CUDA stream each), `auto` (streams on a GPU, threads on a CPU rank with several threads)."""

@@ -158,13 +158,31 @@ def test_adapt_with_hold_settles_where_the_artifacts_rule_swings():
     swinging = BatchPolicy(every=1, smallest=1, largest=1024, step=32)
     holding = BatchPolicy(every=1, smallest=1, largest=1024, step=32, hold=True)
     # rank 1 takes twice rank 0's time per sample: at (64, 64) it makes a third of the updates
-    assert adapt(swinging, [2 / 3, 1 / 3], (64, 64)) == adapt(holding, [2 / 3, 1 / 3], (64, 64)) == (96, 32)
-    # at (96, 32) the steps take 96 and 64: moving back would predict (2/3, 1/3) again, further from 1/2
+    assert adapt(swinging, [2 / 3, 1 / 3], (64, 64)) == (96, 32)
+    # hold predicts (0.4, 0.6) at (96, 32) and (6/11, 5/11) at (80, 48): the halved step balances better
+    assert adapt(holding, [2 / 3, 1 / 3], (64, 64)) == (80, 48)
+    # at (96, 32) the steps take 96 and 64: the full step back would predict (2/3, 1/3), a step of 8 (10/21, 11/21)
     assert adapt(swinging, [0.4, 0.6], (96, 32)) == (64, 64)
-    assert adapt(holding, [0.4, 0.6], (96, 32)) == (96, 32)
-    assert adapt(holding, [0.4, 0.4, 0.2], (8, 4, 6)) == (8, 4, 6), "a step of 32 overshoots every rank"
+    assert adapt(holding, [0.4, 0.6], (96, 32)) == (88, 40)
+    assert adapt(holding, [0.6, 0.4], (64, 64)) == (80, 48), "rank 1 1.5x slower: (96, 32) overshoots, 16 does not"
+    assert adapt(holding, [0.4, 0.4, 0.2], (8, 4, 6)) == (10, 6, 4), "32 to 4 overshoot, 2 balances best"
     finer = BatchPolicy(every=1, smallest=2, largest=9, step=2, hold=True)
     assert adapt(finer, [0.4, 0.4, 0.2], (8, 4, 6)) == (9, 6, 4)
+    assert adapt(holding, [0.5, 0.5], (64, 64)) == (64, 64)
+
+
+@pytest.mark.parametrize("slowdown", [1.5, 2, 4])
+def test_adapt_with_hold_reaches_the_balanced_step_time_and_stays(slowdown):
+    policy = BatchPolicy(every=1, smallest=1, largest=1024, step=32, hold=True)
+    seconds_per_sample, sizes, history = (1.0, slowdown), (64, 64), []
+    for _ in range(8):
+        rates = [1 / (size * seconds) for size, seconds in zip(sizes, seconds_per_sample, strict=True)]
+        sizes = adapt(policy, [rate / sum(rates) for rate in rates], sizes)
+        history.append(sizes)
+    balanced = 128 / (1 + 1 / slowdown)  # the step time with both ranks busy all the time
+    step_time = max(size * seconds for size, seconds in zip(sizes, seconds_per_sample, strict=True))
+    assert step_time <= 1.02 * balanced and sum(sizes) == 128, history
+    assert history[3:] == [sizes] * 5, f"settled within 4 windows: {history}"
 
 
 def test_adaptive_batch_keeps_the_sizes_during_the_warm_up():
