@@ -303,7 +303,7 @@ def train(
 ) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
     its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
-    each evaluation's [epoch, samples/s],
+    each evaluation's [epoch, samples/s], each adaptive batch-size change's [seconds, sizes],
     with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
     algorithm, each rank's (group's) updates over the run.
 
@@ -340,9 +340,17 @@ def train(
         "trajectory": [[r.get("epoch"), r["samples_per_s"]] for r in evaluations],
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
+        **({"batch_sizes": adapted} if (adapted := adapted_batch_sizes(records)) else {}),
         **({"crashes": crashes} if crashes else {}),
         **({"comm_bytes_per_sample": summary["comm_bytes"] / summary["samples"]} if "comm_bytes" in summary else {}),
     }
+
+
+def adapted_batch_sizes(records: list[dict]) -> list[list]:
+    """Each adaptive batch-size change of a run as [seconds, [size per rank]]."""
+    changes = [record for record in records if record.get("event") == "hyperparams"]
+    sizes = [(change["time_s"], change["changes"].get("batch_size", [0, 0])[1]) for change in changes]
+    return [[seconds, size] for seconds, size in sizes if isinstance(size, list)]
 
 
 def _train_once(

@@ -166,6 +166,19 @@ def test_a_job_that_crashes_every_time_fails_the_benchmark_and_divergence_is_a_r
     assert harness.train("crossbow", 2, {"seed": 1}, timeout=10)["diverged"] and len(calls) == 1
 
 
+def test_a_runs_adaptive_batch_sizes_are_kept_and_other_changes_are_not():
+    from benchmarks.harness import adapted_batch_sizes
+
+    records = [
+        {"event": "hyperparams", "time_s": 1.0, "changes": {"lr": [0.1, 0.2]}},
+        {"event": "hyperparams", "time_s": 2.0, "changes": {"batch_size": [[64, 64], [80, 48]]}},
+        {"epoch": 0.1, "test_accuracy": 0.5, "samples_per_s": 10.0},
+        {"event": "hyperparams", "time_s": 3.0, "changes": {"batch_size": [[80, 48], [84, 44]]}},
+    ]
+    assert adapted_batch_sizes(records) == [[2.0, [80, 48]], [3.0, [84, 44]]]
+    assert adapted_batch_sizes(records[:1]) == []
+
+
 def fake_training(clock: list[float], seconds: float = 60.0):
     """A runner for harness.PointStore that trains nothing: each call takes `seconds` of the fake `clock`, and a
     point's time to the target follows from its flags (over its time limit: not reached)."""
