@@ -45,7 +45,7 @@ class BatchPolicy:
     fixed_until: float = 0.0
     """Epochs during which the sizes stay fixed (the learning-rate warm-up)."""
     hold: bool = False
-    """Move only when the move is predicted to balance the shares better (see the module docstring)."""
+    """Make the move by step, step/2, … 1 predicted to balance the shares best, or none (the module docstring)."""
 
 
 def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> tuple[int, ...]:
