@@ -14,6 +14,7 @@ Running it again continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import json
@@ -303,7 +304,7 @@ def train(
 ) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
     its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
-    each evaluation's [epoch, samples/s], each adaptive batch-size change's [seconds, sizes],
+    each evaluation's [epoch, samples/s], the adaptive batch sizes' changes (`batch_sizes`),
     with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
     algorithm, each rank's (group's) updates over the run.
 
@@ -340,7 +341,7 @@ def train(
         "trajectory": [[r.get("epoch"), r["samples_per_s"]] for r in evaluations],
         "optimizer": [record for record in records if record.get("event") == "optimizer"],
         **({"updates": [sum(counts) for counts in zip(*asynchronous, strict=True)]} if asynchronous else {}),
-        **({"batch_sizes": adapted} if (adapted := adapted_batch_sizes(records)) else {}),
+        **batch_sizes(adapted_batch_sizes(records)),
         **({"crashes": crashes} if crashes else {}),
         **({"comm_bytes_per_sample": summary["comm_bytes"] / summary["samples"]} if "comm_bytes" in summary else {}),
     }
@@ -351,6 +352,17 @@ def adapted_batch_sizes(records: list[dict]) -> list[list]:
     changes = [record for record in records if record.get("event") == "hyperparams"]
     sizes = [(change["time_s"], change["changes"].get("batch_size", [0, 0])[1]) for change in changes]
     return [[seconds, size] for seconds, size in sizes if isinstance(size, list)]
+
+
+def batch_sizes(changes: list[list], every_s: float = 1.0) -> dict:
+    """The number of batch-size `changes` ([seconds, sizes], in order) and the sizes in force every `every_s`
+    seconds from the first change to the last, which keep a point small where the sizes move at every step."""
+    if not changes:
+        return {}
+    times = [seconds for seconds, _ in changes]
+    grid = [times[0] + k * every_s for k in range(int((times[-1] - times[0]) / every_s) + 1)]
+    sampled = [[at, changes[bisect.bisect_right(times, at) - 1][1]] for at in grid]
+    return {"batch_changes": len(changes), "batch_sizes": sampled + ([changes[-1]] if grid[-1] < times[-1] else [])}
 
 
 def _train_once(

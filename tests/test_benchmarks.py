@@ -179,6 +179,16 @@ def test_a_runs_adaptive_batch_sizes_are_kept_and_other_changes_are_not():
     assert adapted_batch_sizes(records[:1]) == []
 
 
+def test_batch_sizes_that_move_at_every_step_are_kept_once_a_second_with_the_count():
+    from benchmarks.harness import batch_sizes
+
+    changes = [[0.5, [80, 48]], [0.6, [84, 44]], [1.4, [85, 43]], [1.6, [84, 44]], [2.7, [85, 43]]]
+    kept = batch_sizes(changes)
+    assert kept["batch_changes"] == 5
+    assert kept["batch_sizes"] == [[0.5, [80, 48]], [1.5, [85, 43]], [2.5, [84, 44]], [2.7, [85, 43]]]
+    assert batch_sizes([]) == {} and batch_sizes(changes[:1])["batch_sizes"] == changes[:1]
+
+
 def fake_training(clock: list[float], seconds: float = 60.0):
     """A runner for harness.PointStore that trains nothing: each call takes `seconds` of the fake `clock`, and a
     point's time to the target follows from its flags (over its time limit: not reached)."""
