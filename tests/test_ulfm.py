@@ -112,15 +112,19 @@ def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_pat
     run_dir = tmp_path / algorithm
     job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *extra, *RUN])
     assert job.returncode == 0, job.stderr
-    assert ours(job.stderr) == ["rank(s) 1 died; going on with 2 ranks from iteration 4"], job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
     assert len(lost) == 1, lost
-    assert lost[0]["ranks"] == [1] and lost[0]["world_size"] == 2 and lost[0]["iteration"] == 4
+    at = lost[0]["iteration"]
+    # rank 1 dies before iteration 4; eager's rounds run behind its steps, so the loss may surface in the round of
+    # iteration 3, still in flight, and then that step is dropped on every survivor too
+    assert at == 4 or (algorithm == "eager" and at == 3), lost
+    assert ours(job.stderr) == [f"rank(s) 1 died; going on with 2 ranks from iteration {at}"], job.stderr
+    assert lost[0]["ranks"] == [1] and lost[0]["world_size"] == 2
     assert lost[0]["recovery_s"] < 10
     summary = records(run_dir)[-1]
     assert summary["event"] == "summary" and summary["world_size"] == 2 and summary["epochs"] >= 0.05
-    # the dropped step is taken again: 4 steps of 3 ranks, then only steps of 2, and no sample twice
-    assert summary["samples"] == 4 * 3 * LEARNERS * BATCH + (summary["iterations"] - 4) * 2 * LEARNERS * BATCH
+    # the dropped steps are taken again: `at` steps of 3 ranks, then only steps of 2, and no sample twice
+    assert summary["samples"] == at * 3 * LEARNERS * BATCH + (summary["iterations"] - at) * 2 * LEARNERS * BATCH
 
 
 @pytest.mark.slow
