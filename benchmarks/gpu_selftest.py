@@ -60,6 +60,8 @@ NCCL_LINK_RUN = (2, NCCL_LINK_TEST, False)
 """The NCCL stage link's test: two ranks, a GPU each; run only where two GPUs are visible."""
 OUTCOMES = ("passed", "failed", "errors", "skipped", "deselected")
 REPEATS = 20
+OUTPUT_TAIL = 20000
+"""Characters of a failed test run's output kept in the results."""
 CLI_DEVICE = "cuda"
 CLI_RUN = (
     "--dataset",
@@ -110,16 +112,35 @@ def run_tests(ranks: int, select: str, first_gpu: bool) -> dict:
     if ranks > 1 and first_gpu:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=harness.REPO, capture_output=True, text=True, timeout=300, env=env)
-    output = done.stdout + done.stderr
+    exit_code, output = run_logged(command, env, timeout=300)
     return {
         "ranks": ranks,
         "select": select,
-        "exit_code": done.returncode,
+        "exit_code": exit_code,
         **pytest_counts(output),
         "problems": [line for line in output.splitlines() if re.match(r"(FAILED|ERROR|SKIPPED) ", line)],
         "seconds": time.perf_counter() - started,
+        "output_tail": output[-OUTPUT_TAIL:] if exit_code != 0 else "",
     }
+
+
+def run_logged(command: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """Run `command` with its output in a file, so that a run stopped at `timeout` (mpirun passes SIGTERM on to its
+    ranks) still leaves what it printed; return its exit code (None when stopped) and its output."""
+    with tempfile.TemporaryFile("w+") as log:
+        job = subprocess.Popen(command, cwd=harness.REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            exit_code: int | None = job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.terminate()
+            try:
+                job.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait()
+            exit_code = None
+        log.seek(0)
+        return exit_code, log.read()
 
 
 def host_round_trip(tensor: torch.Tensor) -> None:
@@ -178,8 +199,10 @@ def throughput() -> list[dict]:
 
 def start_training(ranks: int, run_dir: Path, *args: str, first_gpu: bool = False) -> subprocess.Popen:
     """Start `python -m crossbow_mpi.train` with CLI_RUN and `args` on `ranks` ranks (all on the first GPU when
-    `first_gpu`), with cuBLAS's workspace fixed so that runs on streams repeat their bits."""
+    `first_gpu`), with cuBLAS's workspace fixed so that runs on streams repeat their bits, and hwloc's OpenCL plugin
+    left out as the launch scripts do."""
     env = {**os.environ, **harness.MPI_ENV, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env.setdefault("HWLOC_COMPONENTS", "-opencl")  # as launch/common.sh: else LLVM may take mpirun's SIGUSR1
     if first_gpu:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     command = [*mpirun_command(ranks), sys.executable, "-m", "crossbow_mpi.train", "--run-dir", str(run_dir)]
@@ -398,7 +421,7 @@ def main() -> int:
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
     for name in ("tests", "command_line", "sync_cost", "throughput"):
         rows = [
-            {k: v for k, v in row.items() if k != "problems"}
+            {k: v for k, v in row.items() if k not in ("problems", "output_tail")}
             for row in (results[name] if isinstance(results[name], list) else [results[name]])
         ]
         columns = list(dict.fromkeys(key for row in rows for key in row))

@@ -77,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
 
     process.install_abort_on_failure()
     rank = process.mpi().COMM_WORLD.Get_rank()
+    launcher = process.launcher_taking_sigusr1() if rank == 0 else None
+    if launcher:
+        print(
+            f"crossbow_mpi: note: the launcher {launcher} has LLVM loaded (by hwloc's OpenCL plugin), which takes "
+            "SIGUSR1: one sent to it will not stop the ranks; start it with HWLOC_COMPONENTS=-opencl",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         config = parse_config(argv, quiet=rank != 0)
         return run(config, rank)

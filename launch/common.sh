@@ -29,3 +29,7 @@ if [ "${CROSSBOW_FT:-0}" = 1 ]; then
 else
     ft_mpirun=() ft_train=()
 fi
+
+# hwloc's OpenCL plugin loads LLVM (through pocl) into mpirun, and LLVM takes SIGUSR1 over: the stop signal these
+# scripts send to mpirun would never reach the ranks (seen with Open MPI 4.1 on a GPU machine: docs/failures.md).
+export HWLOC_COMPONENTS=${HWLOC_COMPONENTS:--opencl}

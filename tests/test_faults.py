@@ -170,5 +170,53 @@ def test_sigterm_requests_the_same_checkpoint_and_stop_as_sigusr1():
         "time.sleep(0.2)\n"
         "print(before, process.stop_requested())\n"
     )
+    assert run_probe(probe) == ["False", "True"]
+
+
+def run_probe(probe: str) -> list[str]:
+    """Run `probe` in a fresh Python; return the words it printed."""
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.split() == ["False", "True"], done.stderr
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_mpi_start_takes_back_a_stop_signal_replaced_in_c():
+    """On a GPU machine a singleton MPI_Init (Open MPI 4.1) loaded LLVM through hwloc's OpenCL plugin, which took
+    SIGUSR1 over in C, unseen by `signal.getsignal`, and the stop signal was lost; starting MPI takes it back."""
+    probe = (
+        "import ctypes, os, signal, sys, time\n"
+        "from crossbow_mpi.runtime import process\n"
+        "process.install_stop_signals(); ctypes.CDLL(None).signal(signal.SIGUSR1, ctypes.c_void_p(1))\n"  # SIG_IGN
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.2)\n"
+        "lost = not process.stop_requested()\n"
+        "assert 'mpi4py.MPI' not in sys.modules\n"
+        "process.mpi()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.2)\n"
+        "print(lost, process.stop_requested())\n"
+    )
+    assert run_probe(probe) == ["True", "True"]
+
+
+def test_a_launcher_with_llvm_loaded_is_named(tmp_path):
+    """A process that maps a libLLVM file is named as a launcher that takes SIGUSR1; this test's own parent is not."""
+    from crossbow_mpi.runtime import process
+
+    library = tmp_path / "libLLVM-16.so.1"
+    library.write_bytes(bytes(4096))
+    holder = (
+        "import mmap, sys, time\n"
+        f"library = open({str(library)!r}, 'rb')\n"
+        "mapped = mmap.mmap(library.fileno(), 4096, prot=mmap.PROT_READ)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    job = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        assert process.launcher_taking_sigusr1(job.pid) == Path(sys.executable).name[:15]
+    finally:
+        job.kill()
+        job.wait()
+    assert process.launcher_taking_sigusr1() is None

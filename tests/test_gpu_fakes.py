@@ -254,3 +254,21 @@ def test_closing_the_nccl_communicator_destroys_it_once(comm, gpus, monkeypatch)
     communicator.close()
     communicator.close()
     assert nccl.destroyed == [started] and communicator.comm is None
+
+
+def test_cupy_kernels_take_torchs_stream_through_cupy_14s_stream_protocol_else_cupy_13s_external_stream():
+    """CuPy 14 deprecates ExternalStream (warned 33 times in the GPU tests on an H200) for Stream.from_external."""
+    from crossbow_mpi.replicas import kernels
+
+    class Stream14:
+        @staticmethod
+        def from_external(stream):
+            return "from_external", stream.__cuda_stream__()
+
+    def deprecated(address):
+        raise AssertionError("ExternalStream used where Stream.from_external exists")
+
+    cupy14 = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=Stream14, ExternalStream=deprecated))
+    cupy13 = types.SimpleNamespace(cuda=types.SimpleNamespace(Stream=object, ExternalStream=lambda a: ("external", a)))
+    assert kernels._cupy_stream(cupy14, 1234) == ("from_external", (0, 1234))
+    assert kernels._cupy_stream(cupy13, 1234) == ("external", 1234)

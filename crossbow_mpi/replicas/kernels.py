@@ -198,9 +198,26 @@ def _run_cupy(spec, like: torch.Tensor, inputs: tuple, numbers: tuple[float, ...
     import cupy
 
     device, stream = like.device, torch.cuda.current_stream(like.device).cuda_stream
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream):
+    with cupy.cuda.Device(device.index), _cupy_stream(cupy, stream):
         scalar = cupy.asarray(like).dtype.type
         _cupy_kernel(spec)(*map(cupy.asarray, inputs), *map(scalar, numbers), *map(cupy.asarray, outputs))
+
+
+class _StreamAddress:
+    """A CUDA stream by its address, in the CUDA stream protocol that CuPy 14's `Stream.from_external` reads."""
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.address
+
+
+def _cupy_stream(cupy, address: int):
+    """CuPy's handle of the stream at `address`: `Stream.from_external` (CuPy 14, which deprecates
+    `ExternalStream`), else `ExternalStream` (CuPy 13)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    return from_external(_StreamAddress(address)) if from_external else cupy.cuda.ExternalStream(address)
 
 
 def cupy_sma_update(w, v, g, z, lr, weight_decay, momentum, alpha) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.datasets import DataError
+from crossbow_mpi.runtime import signals
 from crossbow_mpi.runtime.signals import install_stop_signals as install_stop_signals
 from crossbow_mpi.runtime.signals import stop_requested as stop_requested
 
@@ -32,9 +33,24 @@ def mpi():
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"
+    starting = "mpi4py.MPI" not in sys.modules
     from mpi4py import MPI
 
+    if starting:
+        signals.reinstall_stop_signals()
     return MPI
+
+
+def launcher_taking_sigusr1(pid: int | None = None) -> str | None:
+    """Return the name of the launcher (this process's parent, or process `pid`) when it has LLVM loaded, else None.
+    LLVM takes SIGUSR1 over for its own use, so a SIGUSR1 sent to such an mpirun never reaches the ranks: Open MPI
+    4.1's orterun loaded it through hwloc's OpenCL plugin (and pocl) on a GPU machine (docs/failures.md)."""
+    pid = os.getppid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip() if "/libLLVM" in maps.read() else None
+    except OSError:
+        return None
 
 
 def install_abort_on_failure() -> None:
