@@ -314,7 +314,8 @@ def command_line() -> list[dict]:
 
 
 def versions() -> dict:
-    """CuPy's and torch's NCCL versions, and the NVRTC CuPy compiles with: its version and the library loaded."""
+    """CuPy's and torch's NCCL versions, and the NVRTC CuPy compiles with: its version and the files loaded (their
+    names: a results file names no absolute path)."""
     import cupy
     from cupy.cuda import nccl, nvrtc
 
@@ -325,7 +326,7 @@ def versions() -> dict:
         "cupy_nccl": nccl.get_version(),
         "torch_nccl": torch.cuda.nccl.version(),
         "nvrtc": nvrtc_version,
-        "nvrtc_library": sorted({line.split()[-1] for line in maps if "nvrtc" in line}),
+        "nvrtc_library": sorted({Path(line.split()[-1]).name for line in maps if "nvrtc" in line}),
     }
 
 

@@ -349,9 +349,9 @@ def train(
 
 def adapted_batch_sizes(records: list[dict]) -> list[list]:
     """Each adaptive batch-size change of a run as [seconds, [size per rank]]."""
-    changes = [record for record in records if record.get("event") == "hyperparams"]
-    sizes = [(change["time_s"], change["changes"].get("batch_size", [0, 0])[1]) for change in changes]
-    return [[seconds, size] for seconds, size in sizes if isinstance(size, list)]
+    from crossbow_mpi.report import batch_size_changes
+
+    return [[change["time_s"], change["changes"]["batch_size"][1]] for change in batch_size_changes(records)]
 
 
 def batch_sizes(changes: list[list], every_s: float = 1.0) -> dict:

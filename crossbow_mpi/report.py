@@ -226,8 +226,14 @@ def _value(value) -> str:
     return ",".join(map(_value, value)) if isinstance(value, (list, tuple)) else f"{value:g}"
 
 
+def batch_size_changes(records: list[dict]) -> list[dict]:
+    """The `hyperparams` records among `records` that change the batch size per rank (adaptive batches), in order."""
+    changes = [r for r in records if r.get("event") == "hyperparams"]
+    return [c for c in changes if isinstance(c["changes"].get("batch_size", [0, 0])[1], list)]
+
+
 def _batch_changes(run: RunRecords) -> list[dict]:
-    return [c for c in run.of("hyperparams") if isinstance(c["changes"].get("batch_size", [0, 0])[1], list)]
+    return batch_size_changes(run.events)
 
 
 def _draw_batches(ax, run: RunRecords, color) -> None:

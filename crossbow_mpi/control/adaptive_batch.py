@@ -53,9 +53,12 @@ def adapt(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...]) -> t
     if not policy.hold:
         return moved(policy, shares, sizes, policy.step)
     steps = [policy.step >> halving for halving in range(policy.step.bit_length())]
-    moves = [moved(policy, shares, sizes, step) for step in steps]
-    best = min(moves, key=lambda move: imbalance(predicted(shares, sizes, move)))
-    return best if imbalance(predicted(shares, sizes, best)) < imbalance(shares) else sizes
+    outcomes = [
+        (imbalance(predicted(shares, sizes, move)), move)
+        for move in (moved(policy, shares, sizes, step) for step in steps)
+    ]
+    best_imbalance, best = min(outcomes, key=lambda outcome: outcome[0])
+    return best if best_imbalance < imbalance(shares) else sizes
 
 
 def moved(policy: BatchPolicy, shares: list[float], sizes: tuple[int, ...], step: int) -> tuple[int, ...]:
