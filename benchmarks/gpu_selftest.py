@@ -197,6 +197,57 @@ def throughput() -> list[dict]:
     return rows
 
 
+def host_bound() -> list[dict]:
+    """Bare ResNet-32, one forward and backward pass per step at b = 16 and 64: milliseconds per step run eagerly
+    (each kernel launched from Python) and replayed as one CUDA graph. Where the graph is several times faster, the
+    host's launches set the eager pace, and so the pace of every learner the stream engine runs from one thread."""
+    import torch.nn.functional as F
+
+    from crossbow_mpi.models import build_model
+
+    rows = []
+    for batch in (16, 64):
+        torch.manual_seed(0)
+        model = build_model("resnet32", (3, 32, 32), 10).cuda()
+        x, y = torch.randn(batch, 3, 32, 32, device="cuda"), torch.randint(10, (batch,), device="cuda")
+
+        def step(model=model, x=x, y=y) -> None:
+            F.cross_entropy(model(x), y).backward()
+
+        eager = _ms_per_call(step)
+        graph = _captured(step, model)
+        replayed = _ms_per_call(graph.replay)
+        rows.append({"b": batch, "eager ms": eager, "graph ms": replayed, "eager / graph": eager / replayed})
+    return rows
+
+
+def _ms_per_call(call: Callable[[], object]) -> float:
+    """Wall-clock milliseconds per call of `call` over REPEATS calls after 3 warm-up calls, the GPU drained."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(REPEATS):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / REPEATS * 1e3
+
+
+def _captured(step: Callable[[], None], model: torch.nn.Module) -> torch.cuda.CUDAGraph:
+    """`step` captured as a CUDA graph, after warm-up calls on a side stream (as torch's docs capture a network)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def start_training(ranks: int, run_dir: Path, *args: str, first_gpu: bool = False) -> subprocess.Popen:
     """Start `python -m crossbow_mpi.train` with CLI_RUN and `args` on `ranks` ranks (all on the first GPU when
     `first_gpu`), with cuBLAS's workspace fixed so that runs on streams repeat their bits, and hwloc's OpenCL plugin
@@ -356,6 +407,7 @@ PARTS = {
     "versions": versions,
     "sync_cost": sync_cost,
     "throughput": throughput,
+    "host_bound": host_bound,
     "mnist_to_99": mnist_to_99,
 }
 
@@ -420,7 +472,7 @@ def main() -> int:
     results["verdict"] = {"passed": passed, "reason": reason}
     (args.out / "gpu_selftest.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nGPU self-test on {results['device']}, {results['date']}; wrote {args.out / 'gpu_selftest.json'}")
-    for name in ("tests", "command_line", "sync_cost", "throughput"):
+    for name in ("tests", "command_line", "sync_cost", "throughput", "host_bound"):
         rows = [
             {k: v for k, v in row.items() if k not in ("problems", "output_tail")}
             for row in (results[name] if isinstance(results[name], list) else [results[name]])

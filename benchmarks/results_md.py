@@ -1,4 +1,5 @@
-"""Render benchmarks/RESULTS.md from the JSON files in benchmarks/results/ (numbers only as measured).
+"""Render benchmarks/RESULTS.md from the benchmark reports in benchmarks/results/ (numbers only as measured; the GPU
+self-test's JSON files are not reports, and benchmarks/README.md has their tables).
 
 python -m benchmarks.results_md [--results DIR] [--output FILE]
 """
@@ -47,7 +48,8 @@ def section(result: dict, base: Path) -> list[str]:
 
 
 def render(results_dir: Path, output: Path) -> str:
-    results = {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
+    found = {path.stem: json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))}
+    results = {name: result for name, result in found.items() if "benchmark" in result}  # not the GPU self-test's
     names = [n for n in ORDER if n in results] + sorted(set(results) - set(ORDER))
     machines = {
         (r["machine"]["cpu"], r["machine"]["cores"], r["machine"]["torch"], r["machine"]["mpi"])

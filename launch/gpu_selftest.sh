@@ -2,7 +2,8 @@
 # GPU self-test for one GPU (an H200 in our runs), under 8 minutes, offline: the GPU tests, the command line (a
 # stop signal and --resume, --device mixed, a pipeline sharing the GPU), the NCCL and NVRTC versions, per-call
 # sync costs (NCCL, --comm mpi's host staging, a device copy), ResNet-32 throughput with 1, 2, 4, 8 and auto
-# learners (SMA) and with S-SGD, and LeNet/MNIST with SMA to 99 %. Needs torch, CuPy, mpi4py with an MPI library and its
+# learners (SMA) and with S-SGD, bare ResNet-32 steps eager against a CUDA graph, and LeNet/MNIST with SMA to
+# 99 %. Needs torch, CuPy, mpi4py with an MPI library and its
 # mpirun, h5py, numpy, pytest and pytest-mpi. What is missing (no MPI library, no pytest-mpi) is installed from
 # the wheels in $WHEELS (default .whl; docs/gpus.md says how to download them) into a prefix under
 # /tmp, without network. Results: $OUT/gpu_selftest.json (default benchmarks/results); the tables are printed,

@@ -119,6 +119,16 @@ def test_quick_mode_writes_results(name, tmp_path):
     assert f"## {name}" in rendered and "| " + " | ".join(result["columns"]) + " |" in rendered
 
 
+def test_results_md_renders_the_stored_reports_and_leaves_out_the_gpu_self_tests(tmp_path):
+    """benchmarks/results holds the GPU self-test's JSON beside the reports; it has no report's keys."""
+    from benchmarks.results_md import render
+
+    results = REPO / "benchmarks" / "results"
+    assert (results / "gpu_selftest.json").exists()
+    rendered = render(results, tmp_path / "RESULTS.md")
+    assert "## hetero" in rendered and "## gpu_selftest" not in rendered
+
+
 def fake_jobs(monkeypatch, outcomes: list[int]):
     """Make harness.mpirun exit with each of `outcomes` in turn, writing a run's metrics when it exits 0."""
     from benchmarks import harness
