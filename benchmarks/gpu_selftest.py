@@ -168,16 +168,7 @@ def _sync_cost_row(nccl, mib: int, device: torch.device) -> dict:
         "mpi host staging us": functools.partial(host_round_trip, tensor),
         "device copy us": functools.partial(target.copy_, tensor),
     }
-    row: dict[str, float] = {"MiB": mib}
-    for name, call in calls.items():
-        call()
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(REPEATS):
-            call()
-        torch.cuda.synchronize()
-        row[name] = (time.perf_counter() - started) / REPEATS * 1e6
-    return row
+    return {"MiB": mib, **{name: _ms_per_call(call, warmup=1) * 1e3 for name, call in calls.items()}}
 
 
 def throughput() -> list[dict]:
@@ -221,9 +212,9 @@ def host_bound() -> list[dict]:
     return rows
 
 
-def _ms_per_call(call: Callable[[], object]) -> float:
-    """Wall-clock milliseconds per call of `call` over REPEATS calls after 3 warm-up calls, the GPU drained."""
-    for _ in range(3):
+def _ms_per_call(call: Callable[[], object], warmup: int = 3) -> float:
+    """Wall-clock milliseconds per call of `call` over REPEATS calls after `warmup` calls, the GPU drained."""
+    for _ in range(warmup):
         call()
     torch.cuda.synchronize()
     started = time.perf_counter()
