@@ -200,7 +200,8 @@ def test_mpi_start_takes_back_a_stop_signal_replaced_in_c():
 
 
 def test_a_launcher_with_llvm_loaded_is_named(tmp_path):
-    """A process that maps a libLLVM file is named as a launcher that takes SIGUSR1; this test's own parent is not."""
+    """A launcher that maps a libLLVM file is named as taking SIGUSR1; another process, or this test's own parent, is
+    not."""
     from crossbow_mpi.runtime import process
 
     library = tmp_path / "libLLVM-16.so.1"
@@ -215,7 +216,9 @@ def test_a_launcher_with_llvm_loaded_is_named(tmp_path):
     job = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     try:
         assert job.stdout.readline().strip() == "ready"
-        assert process.launcher_taking_sigusr1(job.pid) == Path(sys.executable).name[:15]
+        name = Path(sys.executable).name[:15]
+        assert process.launcher_taking_sigusr1(job.pid, launchers=(name,)) == name
+        assert process.launcher_taking_sigusr1(job.pid) is None  # not a launcher that forwards signals
     finally:
         job.kill()
         job.wait()

@@ -41,14 +41,20 @@ def mpi():
     return MPI
 
 
-def launcher_taking_sigusr1(pid: int | None = None) -> str | None:
-    """Return the name of the launcher (this process's parent, or process `pid`) when it has LLVM loaded, else None.
-    LLVM takes SIGUSR1 over for its own use, so a SIGUSR1 sent to such an mpirun never reaches the ranks: Open MPI
-    4.1's orterun loaded it through hwloc's OpenCL plugin (and pocl) on a GPU machine (docs/failures.md)."""
+FORWARDING_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted", "hydra_pmi_proxy")
+"""The launchers that take a signal and pass it on to the ranks (srun's slurmstepd signals them itself)."""
+
+
+def launcher_taking_sigusr1(pid: int | None = None, launchers: tuple[str, ...] = FORWARDING_LAUNCHERS) -> str | None:
+    """Return the name of the launcher (this process's parent, or process `pid`) when it is one of `launchers` and
+    has LLVM loaded, else None. LLVM takes SIGUSR1 over for its own use, so a SIGUSR1 sent to such an mpirun never
+    reaches the ranks: Open MPI 4.1's orterun loaded it through hwloc's OpenCL plugin (and pocl) on a GPU machine
+    (docs/failures.md)."""
     pid = os.getppid() if pid is None else pid
     try:
         with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/comm") as comm:
-            return comm.read().strip() if "/libLLVM" in maps.read() else None
+            name = comm.read().strip()
+            return name if name.startswith(launchers) and "/libLLVM" in maps.read() else None
     except OSError:
         return None
 
