@@ -129,16 +129,7 @@ def run_logged(command: list[str], env: dict[str, str], timeout: float) -> tuple
     ranks) still leaves what it printed; return its exit code (None when stopped) and its output."""
     with tempfile.TemporaryFile("w+") as log:
         job = subprocess.Popen(command, cwd=harness.REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            exit_code: int | None = job.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            job.terminate()
-            try:
-                job.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                job.kill()
-                job.wait()
-            exit_code = None
+        exit_code, _ = finish(job, time.monotonic() + timeout)
         log.seek(0)
         return exit_code, log.read()
 
@@ -260,10 +251,10 @@ def start_training(ranks: int, run_dir: Path, *args: str, first_gpu: bool = Fals
 
 def finish(job: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
     """Wait for `job` until `deadline` (time.monotonic), else stop it (mpirun passes SIGTERM on to its ranks);
-    return its exit code (None when it ran past the deadline) and its stderr."""
+    return its exit code (None when it ran past the deadline) and its stderr (empty when not piped)."""
     try:
         _, err = job.communicate(timeout=max(deadline - time.monotonic(), 1))
-        return job.returncode, err
+        return job.returncode, err or ""
     except subprocess.TimeoutExpired:
         job.terminate()
         try:
@@ -271,7 +262,7 @@ def finish(job: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
         except subprocess.TimeoutExpired:
             job.kill()
             _, err = job.communicate()
-        return None, err
+        return None, err or ""
 
 
 def last_words(stderr: str) -> str:

@@ -8,24 +8,22 @@ import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _stop_requested = threading.Event()
-_installed = False
 
 
 def install_stop_signals() -> None:
     """Turn SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (preemption, SLURM's --signal) into a request to checkpoint and
     stop."""
-    global _installed
     for signum in STOP_SIGNALS:
         signal.signal(signum, _request_stop)
-    _installed = True
 
 
 def reinstall_stop_signals() -> None:
-    """Take the stop signals back if they were installed: a library loaded later may have replaced the handlers in
-    C, unseen by `signal.getsignal` (LLVM, loaded through hwloc's OpenCL plugin by a singleton MPI_Init, swallows
-    SIGUSR1 and dies on SIGTERM without a checkpoint)."""
-    if _installed:
-        install_stop_signals()
+    """Take the stop signals back where Python still holds them: a library loaded later may have replaced the
+    handlers in C, unseen by `signal.getsignal` (LLVM, loaded through hwloc's OpenCL plugin by a singleton MPI_Init,
+    swallows SIGUSR1 and dies on SIGTERM without a checkpoint)."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is _request_stop:
+            signal.signal(signum, _request_stop)
 
 
 def _request_stop(signum, frame) -> None:
