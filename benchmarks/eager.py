@@ -4,10 +4,8 @@ Two injected imbalances: `random` as in the paper (every step one or two ranks, 
 fixed time) and one slow rank (it takes FACTOR times its own compute), and `none` as the control. Under each,
 S-SGD, eager-SGD solo, eager-SGD majority and solo at half the learning rate run with the same seeds,
 interleaved repetition by repetition; the table gives medians and the speedup over S-SGD under the same
-imbalance (S-SGD's time to accuracy / the algorithm's).
-
-Then the paper's inherent imbalance, with nothing injected: the `attention` model on `synthetic-sequences`, whose
-batches take the length of their first sample, so a step's cost varies with the batch (S-SGD, solo, majority).
+imbalance (S-SGD's time to accuracy / the algorithm's). The paper's inherent imbalance, with nothing injected,
+races in benchmarks/eager_inherent.py.
 """
 
 from __future__ import annotations
@@ -59,34 +57,8 @@ QUICK = Budget(
     timeout_s=120,
 )
 
-INHERENT = {
-    False: Budget(
-        "attention",
-        "synthetic-sequences",
-        0.8,
-        2000,
-        epochs=3,
-        batch_size=16,
-        lr=0.05,
-        imbalances={"inherent (sequences)": ""},
-        timeout_s=600,
-    ),
-    True: Budget(
-        "attention",
-        "synthetic-sequences",
-        0.15,
-        300,
-        epochs=0.02,
-        batch_size=16,
-        lr=0.05,
-        imbalances={"inherent (sequences)": ""},
-        timeout_s=120,
-    ),
-}
-"""The inherent-imbalance workload's budget, full and quick (by `--quick`)."""
-INHERENT_ALGORITHMS = ("ssgd", "eager solo", "eager majority")
 QUICK_ALGORITHMS = ("ssgd", "eager solo, lr / 2")
-"""The injected-imbalance variants of `--quick` (the inherent race runs the other eager mode), to keep it short."""
+"""The variants of `--quick`, to keep it short."""
 
 COLUMNS = ["imbalance", "algorithm", "reached", "tta_s", "epochs", "samples_per_s", "speedup"]
 
@@ -144,17 +116,11 @@ def measure(options: harness.Options) -> harness.Report:
     names = QUICK_ALGORITHMS if options.quick else tuple(ALGORITHMS)
     algorithms = {name: {**common, **with_lr(ALGORITHMS[name], budget.lr)} for name in names}
     variants, runs = imbalanced_runs("eager", budget, algorithms, options.reps)
-    inherent = INHERENT[options.quick]
-    flags = {name: {**common_flags(inherent), **with_lr(ALGORITHMS[name], inherent.lr)} for name in INHERENT_ALGORITHMS}
-    more_variants, more_runs = imbalanced_runs("eager, inherent", inherent, flags, options.reps)
-    variants, runs = {**variants, **more_variants}, runs + more_runs
-    rows = speedup_rows(budget, names, runs) + speedup_rows(inherent, INHERENT_ALGORITHMS, runs)
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, {RANKS} "
-        f"ranks × 1 thread, under injected imbalance, and to {inherent.target_accuracy:.0%}, {inherent.model} on "
-        f"{inherent.dataset}, under its inherent imbalance (medians; speedup = S-SGD's time / the algorithm's)",
+        "ranks × 1 thread, under injected imbalance (medians; speedup = S-SGD's time / the algorithm's)",
         columns=COLUMNS,
-        rows=rows,
+        rows=speedup_rows(budget, names, runs),
         runs=runs,
         settings={"ranks": RANKS, "budget": asdict(budget), "variants": variants},
     )

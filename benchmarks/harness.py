@@ -304,9 +304,9 @@ def train(
 ) -> dict:
     """Run a training CLI (`crossbow` or `ddp`) with `--KEY VALUE` flags in a fresh run directory; return what
     its metrics.jsonl says: target reached, time and epochs to it, final accuracy, median training samples/s and
-    each evaluation's [epoch, samples/s], the adaptive batch sizes' changes (`batch_sizes`),
-    with `compile: True` (both trainers take it) the seconds of the compiling first step and, for an asynchronous
-    algorithm, each rank's (group's) updates over the run.
+    each evaluation's [epoch, samples/s], the adaptive batch sizes' changes (`batch_sizes`), eager-SGD's median
+    wait per round, with `compile: True` (both trainers take it) the seconds of the compiling first step and, for
+    an asynchronous algorithm, each rank's (group's) updates over the run.
 
     A job that crashes (not one that diverges) is run again, up to `attempts` times in all, so that one
     transient crash (gloo has aborted at exit) does not cost a whole benchmark; the result counts the crashes
@@ -344,7 +344,14 @@ def train(
         **batch_sizes(adapted_batch_sizes(records)),
         **({"crashes": crashes} if crashes else {}),
         **({"comm_bytes_per_sample": summary["comm_bytes"] / summary["samples"]} if "comm_bytes" in summary else {}),
+        **_median_of(evaluations, "eager_wait_ms"),
     }
+
+
+def _median_of(records: list[dict], key: str) -> dict:
+    """{key: the median of the records' values} when some records have it, else {}."""
+    values = [record[key] for record in records if key in record]
+    return {key: statistics.median(values)} if values else {}
 
 
 def adapted_batch_sizes(records: list[dict]) -> list[list]:

@@ -110,8 +110,8 @@ class Config:
     """Model name from the registry (`lenet`, `mlp`, `resnet32`; `attention` for `synthetic-sequences`; `tinygpt`: a
     small GPT for `--dataset text`)."""
     model_args: str = ""
-    """The model's size as `key=value` pairs (`layers=4,heads=4,width=128,dropout=0.1` for `tinygpt`); empty: its
-    defaults."""
+    """The model's size as `key=value` pairs (`layers=4,heads=4,width=128,dropout=0.1` for `tinygpt`;
+    `width=32,heads=4` for `attention`); empty: its defaults."""
     dataset: str = "mnist"
     """Dataset name (`mnist`, `cifar10`, `synthetic-mnist`, `synthetic-cifar`, `synthetic-sequences`, `text`: byte
     windows of a corpus made by `python -m crossbow_mpi.data.prepare text DIR`)."""

@@ -189,6 +189,8 @@ class Attention(nn.Module):
 
     def __init__(self, vocab: int, max_length: int, num_classes: int, width: int = 32, heads: int = 4):
         super().__init__()
+        if width % heads:
+            raise ValueError(f"attention: the width {width} is not divisible by the {heads} heads")
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(0.02 * torch.randn(max_length, width))
         self.attend = nn.MultiheadAttention(width, heads, batch_first=True)
@@ -225,10 +227,10 @@ def _build_resnet32(input_shape: tuple[int, ...], num_classes: int) -> nn.Module
     return CifarResNet(blocks_per_stage=5, in_channels=input_shape[0], num_classes=num_classes)
 
 
-def _build_attention(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def _build_attention(input_shape: tuple[int, ...], num_classes: int, **sizes) -> nn.Module:
     if len(input_shape) != 1:
         raise ValueError(f"model 'attention' needs token sequences of shape (length,), got {input_shape}")
-    return Attention(SEQUENCE_VOCAB, input_shape[0], num_classes)
+    return Attention(SEQUENCE_VOCAB, input_shape[0], num_classes, **sizes)
 
 
 def _build_tinygpt(input_shape: tuple[int, ...], num_classes: int, **sizes) -> nn.Module:
@@ -245,6 +247,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "tinygpt": _build_tinygpt,
 }
 MODEL_ARGS: dict[str, dict[str, type]] = {
+    "attention": {"width": int, "heads": int},
     "tinygpt": {"layers": int, "heads": int, "width": int, "dropout": float},
 }
 """The `--model-args` each model takes, with their types."""

@@ -43,6 +43,8 @@ COLUMNS = {
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
     | {"vs_local_sgd", "vs_torchft"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
+    "eager_inherent": {"algorithm", "lr", "reached", "tta_s", "speedup", "samples_speedup", "ideal_speedup"}
+    | {"eager_wait_ms"},
     "omnivore": {"imbalance", "algorithm", "reached", "tta_s", "speedup", "vs_best", "groups", "momentum", "lr"},
     "hetero": {
         "slowdown",

@@ -83,6 +83,14 @@ def test_attention_takes_sequences_of_any_length_and_refuses_images():
         build_model("attention", (1, 28, 28), 10)
 
 
+def test_attention_is_sized_by_model_args():
+    wide = build_model("attention", (64,), 10, "width=64,heads=8")
+    assert wide.embed.embedding_dim == 64 and wide.attend.num_heads == 8
+    assert wide(torch.randint(32, (2, 16)).float()).shape == (2, 10)
+    with pytest.raises(ValueError, match="the width 30 is not divisible by the 4 heads"):
+        build_model("attention", (64,), 10, "width=30")
+
+
 def test_unknown_model():
     assert model_names() == ["attention", "lenet", "mlp", "resnet32", "tinygpt"]
     with pytest.raises(ValueError) as excinfo:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,7 +152,8 @@ class PartialAllreduce(Communicator):
 
     def statistics(self) -> dict:
         """Return and reset what the rounds returned since the last call: rounds fired, synchronous rounds (firsts
-        and every sync_every-th), fresh contributions per round (drains aside) and the staleness histogram."""
+        and every sync_every-th), fresh contributions per round (drains aside), the staleness histogram, and the
+        main thread's mean wait per round for its round to fire (ms)."""
         window, self.window = self.window, self._empty_window()
         staleness = window["staleness"].tolist()
         while staleness and staleness[-1] == 0:
@@ -161,10 +163,18 @@ class PartialAllreduce(Communicator):
             "eager_sync_rounds": window["sync"],
             "eager_fresh_per_round": window["fresh"] / max(window["rounds"] - window["drains"], 1),
             "eager_staleness": staleness,
+            "eager_wait_ms": 1e3 * window["wait_s"] / max(window["rounds"], 1),
         }
 
     def _empty_window(self) -> dict:
-        return {"rounds": 0, "sync": 0, "drains": 0, "fresh": 0, "staleness": np.zeros(self.sync_every, np.int64)}
+        return {
+            "rounds": 0,
+            "sync": 0,
+            "drains": 0,
+            "fresh": 0,
+            "staleness": np.zeros(self.sync_every, np.int64),
+            "wait_s": 0.0,
+        }
 
     def _arrive(self, contribution: torch.Tensor | None, kind: str) -> Round:
         """Arrive at the next round with a contribution (or none) and return the round once it fired."""
@@ -174,6 +184,7 @@ class PartialAllreduce(Communicator):
         number = self.next_round
         if contribution is not None:
             self.arrived.setdefault(number, []).append(contribution)
+        started = time.perf_counter()
         with self.cond:
             if contribution is not None:
                 self.pending.append((number, contribution))
@@ -188,6 +199,7 @@ class PartialAllreduce(Communicator):
             self.arrived.pop(arrived, None)
         self.next_round += 1
         self.eager_since_sync = self.eager_since_sync + 1 if kind == "eager" else 0
+        self.window["wait_s"] += time.perf_counter() - started
         self.window["rounds"] += 1
         self.window["sync"] += kind == "sync"
         self.window["drains"] += kind == "drain"
