@@ -40,8 +40,8 @@ class Budget(eager.Budget):
 FULL = Budget(
     "attention",
     "synthetic-sequences",
-    0.9,
-    1000,
+    0.88,
+    2000,
     epochs=3,
     batch_size=16,
     lr=0.05,
