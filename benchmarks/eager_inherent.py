@@ -67,6 +67,7 @@ QUICK = Budget(
 
 
 def variant_flags(budget: Budget, name: str, lr: float) -> dict:
+    """One variant's training flags at one learning rate: one learner and one thread per rank."""
     return {**eager.common_flags(budget), **eager.ALGORITHMS[name], "lr": lr, "model_args": budget.model_args}
 
 
@@ -86,18 +87,17 @@ def tune(options: harness.Options, budget: Budget) -> tuple[dict, list[dict]]:
     return {name: lr for name, lr in harness.best_of(points, runs, lambda point: point[0], "tta_s").values()}, runs
 
 
-def step_ms(budget: Budget, lengths: list[int]) -> list[float]:
+def step_ms(budget: Budget, train_set, lengths: list[int]) -> list[float]:
     """The bare model's training step (forward, backward, SGD) in ms at each length, one thread, median of 20."""
-    from crossbow_mpi.data import build_dataset
+    from crossbow_mpi.data.datasets import SEQUENCE_VOCAB
     from crossbow_mpi.models import build_model
 
     torch.set_num_threads(1)
-    train_set, _ = build_dataset(budget.dataset, "", seed=1)
     model = build_model(budget.model, train_set.input_shape, train_set.num_classes, budget.model_args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     for length in lengths:
-        inputs = torch.randint(1, 32, (budget.batch_size, length)).float()
+        inputs = torch.randint(1, SEQUENCE_VOCAB, (budget.batch_size, length)).float()
         targets = torch.randint(train_set.num_classes, (budget.batch_size,))
         samples = []
         for _ in range(25):
@@ -115,8 +115,8 @@ def ideal_speedup(budget: Budget, draws: int = 100_000) -> tuple[float, dict]:
     from crossbow_mpi.data import build_dataset
 
     lengths = [8, 12, 16, 24, 32, 48, 64]
-    costs = step_ms(budget, lengths)
     train_set, _ = build_dataset(budget.dataset, "", seed=1)
+    costs = step_ms(budget, train_set, lengths)
     drawn = np.random.default_rng(1).choice(train_set.lengths.numpy(), size=(draws, RANKS))
     per_rank = np.interp(drawn, lengths, costs)
     ratio = float(per_rank.max(axis=1).mean() / per_rank.mean())
