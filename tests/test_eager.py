@@ -120,6 +120,10 @@ def test_under_imbalance_all_ranks_keep_one_model_and_every_gradient_is_applied_
     assert sum(r["eager_sync_rounds"] for r in records) == 7, "the first round and every 4th after each start"
     if comm.size > 1 and mode == "solo":
         assert staleness[1:].sum() > 0, "the sleeping rank's gradients land in later rounds"
+    waits = [record["eager_wait_ms"] for record in records]
+    assert all(wait >= 0 for wait in waits)
+    if comm.size > 1 and mode == "majority":
+        assert np.mean(waits) > 1, "rank 0 waits for an initiator that sleeps 30 ms"
 
 
 @pytest.mark.parametrize(
