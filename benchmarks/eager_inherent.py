@@ -127,17 +127,16 @@ def controls(best: dict) -> dict:
     """S-SGD at each other learning rate an eager mode chose (`ssgd at lr X`), so that a gain in time can be told
     apart from the learning rate's."""
     lrs = {lr for name, lr in best.items() if name != "ssgd" and lr != best.get("ssgd")}
-    return {f"ssgd at lr {lr}": lr for lr in sorted(lrs)} if "ssgd" in best else {}
+    return {f"ssgd at lr {lr}": ("ssgd", lr) for lr in sorted(lrs)} if "ssgd" in best else {}
 
 
 def final_rows(finals: dict, runs: list[dict], ideal: float) -> list[dict]:
-    """One row per final variant (name → lr), against S-SGD at its best learning rate."""
+    """One row per final run key (→ variant, lr), against S-SGD at its best learning rate."""
     reference = harness.train_row(runs, "ssgd")
     rows = []
-    for name, lr in finals.items():
+    for name, (_, lr) in finals.items():
         row = harness.train_row(runs, name)
         lowest, highest = harness.spread(runs, name, "tta_s")
-        waits = [run.get("eager_wait_ms") for run in runs if run["variant"] == name]
         rows.append(
             {
                 "algorithm": name,
@@ -148,7 +147,7 @@ def final_rows(finals: dict, runs: list[dict], ideal: float) -> list[dict]:
                 "speedup": harness.ratio(reference["tta_s"], row["tta_s"]),
                 "samples_speedup": harness.ratio(row["samples_per_s"], reference["samples_per_s"]),
                 "ideal_speedup": ideal if name.startswith("eager") else None,
-                "eager_wait_ms": harness.median([wait for wait in waits if wait is not None]),
+                "eager_wait_ms": harness.median_of([run for run in runs if run["variant"] == name], "eager_wait_ms"),
             }
         )
     return rows
@@ -159,13 +158,11 @@ def measure(options: harness.Options) -> harness.Report:
     ideal, steps = ideal_speedup(budget)
     harness.log(f"eager_inherent: step ms {steps['step_ms']} at lengths {steps['lengths']}; ideal {ideal:.2f}×")
     best, tuning = tune(options, budget)
-    finals = {**best, **controls(best)}
+    finals = {**{name: (name, lr) for name, lr in best.items()}, **controls(best)}
     runs = harness.interleave(
         {
-            key: options.store.seeded(
-                "race", "crossbow", RANKS, variant_flags(budget, key.split(" at ")[0], lr), budget.timeout_s
-            )
-            for key, lr in finals.items()
+            key: options.store.seeded("race", "crossbow", RANKS, variant_flags(budget, name, lr), budget.timeout_s)
+            for key, (name, lr) in finals.items()
         },
         options.reps,
     )

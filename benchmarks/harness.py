@@ -344,14 +344,14 @@ def train(
         **batch_sizes(adapted_batch_sizes(records)),
         **({"crashes": crashes} if crashes else {}),
         **({"comm_bytes_per_sample": summary["comm_bytes"] / summary["samples"]} if "comm_bytes" in summary else {}),
-        **_median_of(evaluations, "eager_wait_ms"),
+        **({"eager_wait_ms": wait} if (wait := median_of(evaluations, "eager_wait_ms")) is not None else {}),
     }
 
 
-def _median_of(records: list[dict], key: str) -> dict:
-    """{key: the median of the records' values} when some records have it, else {}."""
-    values = [record[key] for record in records if key in record]
-    return {key: statistics.median(values)} if values else {}
+def median_of(records: list[dict], key: str) -> float | None:
+    """The median of `key` over the records that have a value for it; None when none has."""
+    values = [record[key] for record in records if record.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def adapted_batch_sizes(records: list[dict]) -> list[list]:
@@ -523,17 +523,12 @@ def train_row(runs: list[dict], variant: str) -> dict:
     """Summarise one variant's `train` runs: how many reached the target, and the medians of the time and epochs
     to it, of the final accuracy and of samples/s (diverged runs have neither of the last two)."""
     mine = [run for run in runs if run["variant"] == variant]
-
-    def measured(key: str) -> float | None:
-        values = [run[key] for run in mine if run.get(key) is not None]
-        return statistics.median(values) if values else None
-
     return {
         "reached": f"{sum(run['reached'] for run in mine)}/{len(mine)}",
         "tta_s": median([run["tta_s"] for run in mine]),
         "epochs": median([run["epochs"] for run in mine]),
-        "accuracy": measured("final_accuracy"),
-        "samples_per_s": measured("samples_per_s"),
+        "accuracy": median_of(mine, "final_accuracy"),
+        "samples_per_s": median_of(mine, "samples_per_s"),
     }
 
 
