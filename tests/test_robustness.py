@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import h5py
 import pytest
@@ -14,6 +17,7 @@ from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.data import synthetic_dataset
 from crossbow_mpi.training import checkpoint
 from crossbow_mpi.training.checkpoint import CheckpointError, list_checkpoints
+from crossbow_mpi.training.hooks import DivergenceCheck, DivergenceError
 
 from helpers import resume_config, resume_fit
 
@@ -85,3 +89,30 @@ def test_ranks_with_different_configs_refuse_to_start(comm, shared_tmp):
         cfg = dataclasses.replace(cfg, lr=0.5, seed=6)
     with pytest.raises(ConfigError, match="configurations differ in: lr, seed"):
         Trainer(cfg, comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_one_ranks_non_finite_copy_of_z_after_a_round_stops_every_rank(comm, shared_tmp):
+    """Hogbatch's and Omnivore's ranks pull z from the server at their own pace, so after a round one rank's copy
+    can be non-finite while another's is not yet: every rank must raise at the same check (the last rank alone
+    raising left the others in the evaluation's collective, a hang)."""
+
+    def after_sync(compute) -> Callable[[], float]:
+        value = float(compute())
+        return lambda: value
+
+    def after_round(z: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(
+            state=SimpleNamespace(iteration=7),
+            engine=SimpleNamespace(after_sync=after_sync),
+            central=SimpleNamespace(z=z),
+            algorithm=SimpleNamespace(rounds=True, name="hogbatch"),
+        )
+
+    check, step = DivergenceCheck(comm, str(shared_tmp)), SimpleNamespace(losses=torch.zeros(1))
+    check.after_step(after_round(torch.ones(3)), step)
+    check.check()
+    last = comm.rank == comm.size - 1
+    check.after_step(after_round(torch.full((3,), math.inf if last else 1.0)), step)
+    with pytest.raises(DivergenceError, match="diverged at iteration 7: the central model became non-finite"):
+        check.check()

@@ -60,26 +60,32 @@ ASYNCHRONOUS = ("omnivore", "hogbatch")
 
 class DivergenceCheck:
     """Check the central model for NaN and Inf one step late, so that the host never waits for the step it has
-    just queued on a GPU (collective: z is the same on every rank, so every rank raises at the same check)."""
+    just queued on a GPU (collective: every rank raises at the same check). Where z is the same on every rank,
+    each rank decides alone; after a round of an algorithm whose ranks pull z from a server at their own pace
+    (Omnivore, Hogbatch), one rank's copy may be non-finite while another's is not yet, so the ranks vote."""
 
     def __init__(self, world: Communicator, run_dir: str):
         self.world = world
         self.run_dir = run_dir
-        self.pending: tuple[int, Callable[[], float], torch.Tensor] | None = None
+        self.pending: tuple[int, Callable[[], float], torch.Tensor, bool] | None = None
         self.algorithm = ""
 
     def after_step(self, run: Run, step: Step) -> None:
         """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
         self.check()
-        self.pending = (run.state.iteration, run.engine.after_sync(run.central.z.sum), step.losses)
+        read_z_sum = run.engine.after_sync(run.central.z.sum)
+        self.pending = (run.state.iteration, read_z_sum, step.losses, run.algorithm.rounds)
         self.algorithm = run.algorithm.name
 
     def check(self) -> None:
         """Raise DivergenceError if the held step's central model is not finite."""
         if self.pending is None:
             return
-        (iteration, read_z_sum, losses), self.pending = self.pending, None
-        if not math.isfinite(read_z_sum()):
+        (iteration, read_z_sum, losses, vote), self.pending = self.pending, None
+        finite = math.isfinite(read_z_sum())
+        if vote:
+            finite = all(self.world.allgather_json(finite))
+        if not finite:
             bad = self.world.allgather_json([j for j, loss in enumerate(losses.tolist()) if not math.isfinite(loss)])
             culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
             where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
