@@ -91,28 +91,40 @@ def test_ranks_with_different_configs_refuse_to_start(comm, shared_tmp):
         Trainer(cfg, comm)
 
 
+def after_sync(compute) -> Callable[[], float]:
+    value = float(compute())
+    return lambda: value
+
+
+def after_round(z: torch.Tensor, batch_size: int | tuple[int, ...] = 64) -> SimpleNamespace:
+    """What DivergenceCheck reads of a run after a hogbatch round."""
+    return SimpleNamespace(
+        state=SimpleNamespace(iteration=7),
+        engine=SimpleNamespace(after_sync=after_sync),
+        central=SimpleNamespace(z=z),
+        algorithm=SimpleNamespace(rounds=True, name="hogbatch"),
+        hp=SimpleNamespace(batch_size=batch_size, batch_scaled_lr=False),
+    )
+
+
 @pytest.mark.mpi(min_size=1)
 def test_one_ranks_non_finite_copy_of_z_after_a_round_stops_every_rank(comm, shared_tmp):
     """Hogbatch's and Omnivore's ranks pull z from the server at their own pace, so after a round one rank's copy
     can be non-finite while another's is not yet: every rank must raise at the same check (the last rank alone
     raising left the others in the evaluation's collective, a hang)."""
-
-    def after_sync(compute) -> Callable[[], float]:
-        value = float(compute())
-        return lambda: value
-
-    def after_round(z: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(
-            state=SimpleNamespace(iteration=7),
-            engine=SimpleNamespace(after_sync=after_sync),
-            central=SimpleNamespace(z=z),
-            algorithm=SimpleNamespace(rounds=True, name="hogbatch"),
-        )
-
     check, step = DivergenceCheck(comm, str(shared_tmp)), SimpleNamespace(losses=torch.zeros(1))
     check.after_step(after_round(torch.ones(3)), step)
     check.check()
     last = comm.rank == comm.size - 1
     check.after_step(after_round(torch.full((3,), math.inf if last else 1.0)), step)
-    with pytest.raises(DivergenceError, match="diverged at iteration 7: the central model became non-finite"):
+    with pytest.raises(DivergenceError, match="diverged at iteration 7: the central model became non-finite") as err:
+        check.check()
+    assert "stepped on batches" not in str(err.value)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_hogbatch_divergence_on_tiny_unscaled_batches_says_so(comm, shared_tmp):
+    check, step = DivergenceCheck(comm, str(shared_tmp)), SimpleNamespace(losses=torch.zeros(1))
+    check.after_step(after_round(torch.full((3,), math.nan), batch_size=(128, 1)), step)
+    with pytest.raises(DivergenceError, match="rank 1 stepped on batches of 1, each update applied at the full --lr"):
         check.check()

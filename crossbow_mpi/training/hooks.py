@@ -69,6 +69,8 @@ class DivergenceCheck:
         self.run_dir = run_dir
         self.pending: tuple[int, Callable[[], float], torch.Tensor, bool] | None = None
         self.algorithm = ""
+        self.unscaled_sizes: tuple[int, ...] = ()
+        """Hogbatch's batch sizes when each rank's update is applied at the full learning rate, whatever its batch."""
 
     def after_step(self, run: Run, step: Step) -> None:
         """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
@@ -76,6 +78,9 @@ class DivergenceCheck:
         read_z_sum = run.engine.after_sync(run.central.z.sum)
         self.pending = (run.state.iteration, read_z_sum, step.losses, run.algorithm.rounds)
         self.algorithm = run.algorithm.name
+        sizes = run.hp.batch_size
+        unscaled = self.algorithm == "hogbatch" and isinstance(sizes, tuple) and not run.hp.batch_scaled_lr
+        self.unscaled_sizes = sizes if unscaled else ()
 
     def check(self) -> None:
         """Raise DivergenceError if the held step's central model is not finite."""
@@ -99,6 +104,13 @@ class DivergenceCheck:
                 f"; {self.algorithm} updates z asynchronously, which adds momentum of its own (about 1 - 1/G for G "
                 "asynchronous groups): with --explicit-momentum it comes on top of --momentum, so drop that flag "
                 "or lower --momentum"
+            )
+        if self.unscaled_sizes and min(self.unscaled_sizes) < max(self.unscaled_sizes) / 4:
+            rank = self.unscaled_sizes.index(min(self.unscaled_sizes))
+            fix += (
+                f"; rank {rank} stepped on batches of {min(self.unscaled_sizes)}, each update applied at the full "
+                "--lr: add --batch-scaled-lr (HeteroGPU's step lr * b_i / B), or with --adaptive-batch raise "
+                "--batch-min"
             )
         kept = checkpoint.list_checkpoints(self.run_dir)
         return fix + (f"; the last checkpoint, {kept[-1].name}, is kept" if kept else "; no checkpoint was written")
