@@ -79,8 +79,8 @@ class DivergenceCheck:
         self.pending = (run.state.iteration, read_z_sum, step.losses, run.algorithm.rounds)
         self.algorithm = run.algorithm.name
         sizes = run.hp.batch_size
-        unscaled = self.algorithm == "hogbatch" and isinstance(sizes, tuple) and not run.hp.batch_scaled_lr
-        self.unscaled_sizes = sizes if unscaled else ()
+        unscaled = self.algorithm == "hogbatch" and not run.hp.batch_scaled_lr
+        self.unscaled_sizes = sizes if unscaled and isinstance(sizes, tuple) else ()
 
     def check(self) -> None:
         """Raise DivergenceError if the held step's central model is not finite."""
