@@ -38,14 +38,18 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 TRAINERS = {"crossbow": "crossbow_mpi.train", "ddp": "benchmarks.ddp_peer", "torchft": "benchmarks.torchft_peer"}
 NEVER = 10**9
 """An evaluation interval past the end of any run: evaluate once, at the end."""
+TIMED_OUT = 124
+"""`timeout`'s exit code when the command ran past its limit."""
 
 
 class BenchmarkError(RuntimeError):
     """A launched job failed or hung; the message carries the end of its output."""
 
-    def __init__(self, message: str, returncode: int | None = None):
+    def __init__(self, message: str, returncode: int | None = None, hung: bool = False):
         super().__init__(message)
         self.returncode = returncode
+        self.hung = hung
+        """Whether it ran past its timeout."""
 
 
 def repo_path(path: str | Path) -> str:
@@ -283,7 +287,10 @@ def mpirun(
             timeout=timeout + 30,
         )
     except subprocess.TimeoutExpired as err:
-        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s") from err
+        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s", hung=True) from err
+    if done.returncode == TIMED_OUT:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s:\n{tail}", hung=True)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
         raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks exited {done.returncode}:\n{tail}", done.returncode)
@@ -308,9 +315,10 @@ def train(
     wait per round, with `compile: True` (both trainers take it) the seconds of the compiling first step and, for
     an asynchronous algorithm, each rank's (group's) updates over the run.
 
-    A job that crashes (not one that diverges) is run again, up to `attempts` times in all, so that one
+    A job that crashes (not one that diverges or hangs) is run again, up to `attempts` times in all, so that one
     transient crash (gloo has aborted at exit) does not cost a whole benchmark; the result counts the crashes
-    and keeps the end of each one's output."""
+    and keeps the end of each one's output. A hang is a defect to fix, not retried: it would cost its timeout
+    again."""
     from crossbow_mpi.train import EXIT_DIVERGED
 
     crashes = []
@@ -321,6 +329,8 @@ def train(
         except BenchmarkError as err:
             if err.returncode == EXIT_DIVERGED:
                 return {"reached": False, "tta_s": None, "epochs": None, "diverged": True}
+            if err.hung:
+                raise
             crashes.append(str(err)[-500:])
             if len(crashes) >= attempts:
                 raise

@@ -141,7 +141,7 @@ def fake_jobs(monkeypatch, outcomes: list[int]):
         calls.append(args)
         code = outcomes[len(calls) - 1]
         if code:
-            raise harness.BenchmarkError(f"exited {code}: terminate called", code)
+            raise harness.BenchmarkError(f"exited {code}: terminate called", code, hung=code == harness.TIMED_OUT)
         run_dir = args[args.index("--run-dir") + 1]
         records = [
             {"test_accuracy": 0.99, "samples_per_s": 100.0},
@@ -176,6 +176,19 @@ def test_a_job_that_crashes_every_time_fails_the_benchmark_and_divergence_is_a_r
 
     harness, calls = fake_jobs(monkeypatch, [EXIT_DIVERGED])
     assert harness.train("crossbow", 2, {"seed": 1}, timeout=10)["diverged"] and len(calls) == 1
+
+
+def test_a_job_that_hangs_fails_the_benchmark_at_once(monkeypatch):
+    """A hang is a defect, not a transient crash: running it again would cost its whole timeout again."""
+    from benchmarks import harness
+
+    with pytest.raises(harness.BenchmarkError, match="hung past 2 s") as err:
+        harness.mpirun(1, ["-c", "import time; time.sleep(60)"], timeout=2)
+    assert err.value.hung
+    harness, calls = fake_jobs(monkeypatch, [harness.TIMED_OUT, 0])
+    with pytest.raises(harness.BenchmarkError):
+        harness.train("crossbow", 2, {"seed": 1}, timeout=10)
+    assert len(calls) == 1
 
 
 def test_a_runs_adaptive_batch_sizes_are_kept_and_other_changes_are_not():
