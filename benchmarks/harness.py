@@ -288,11 +288,10 @@ def mpirun(
         )
     except subprocess.TimeoutExpired as err:
         raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s", hung=True) from err
-    if done.returncode == TIMED_OUT:
-        tail = (done.stdout + done.stderr)[-3000:]
-        raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s:\n{tail}", hung=True)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
+        if done.returncode == TIMED_OUT:
+            raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks hung past {timeout:.0f} s:\n{tail}", hung=True)
         raise BenchmarkError(f"{' '.join(args)} on {ranks} ranks exited {done.returncode}:\n{tail}", done.returncode)
     return done.stdout
 
