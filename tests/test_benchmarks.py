@@ -478,3 +478,32 @@ def test_hetero_races_the_goals_slowdown_first_and_chooses_only_from_a_complete_
     best, runs = hetero.tune(SimpleNamespace(store=BudgetedStore(grid)), hetero.FULL, "×2")
     assert len(runs) == grid
     assert {race: lr for race, (lr, _) in best.items()} == {("×2", name): 0.05 for name in hetero.FULL.variants}
+
+
+def test_hetero_bounds_a_slowdown_of_own_balanced_by_balanced_runs_measured_beside_it(tmp_path):
+    import dataclasses
+
+    from benchmarks import harness, hetero
+
+    assert "×4" in hetero.OWN_BALANCED and hetero.GOAL not in hetero.OWN_BALANCED
+    budget = dataclasses.replace(hetero.FULL, variants=("ssgd",))
+    balanced_rates = iter([10.0, 6.0])
+    measured = []
+
+    def runner(trainer, ranks, flags, timeout):
+        balanced = flags["inject_imbalance"] == ""
+        measured.append(balanced)
+        rate = next(balanced_rates) if balanced else 1.0
+        return {"reached": True, "tta_s": 1.0, "epochs": 1.0, "final_accuracy": 0.99, "samples_per_s": rate}
+
+    options = SimpleNamespace(store=harness.PointStore(tmp_path / "points.jsonl", "hetero", runner=runner))
+    best: dict = {}
+    runs: list[dict] = []
+    for factor in ("×2", "×4"):
+        chosen = {(factor, "ssgd"): (0.02, hetero.variant_flags(budget, "ssgd", budget.imbalances[factor], 0.02))}
+        best.update(chosen)
+        runs += harness.interleave(hetero.final_runs(options, budget, factor, chosen), 1, quiet=True)
+    assert measured == [False, True, False, True], "the same balanced flags were not measured again beside ×4"
+    rows = {row["slowdown"]: row for row in hetero.final_rows(budget, best, runs, hetero.balanced_rates(budget, runs))}
+    assert rows["×2"]["bound_samples_per_s"] == 10.0 * (1 + 1 / 2) / 2
+    assert rows["×4"]["bound_samples_per_s"] == 6.0 * (1 + 1 / 4) / 2
