@@ -41,8 +41,9 @@ GOAL = "×2"
 """The slowdown the goal is set at."""
 OWN_BALANCED = ("×4",)
 """Slowdowns whose bound comes from balanced runs measured beside their own final runs (store phase "balanced F")
-rather than the goal's: ×4 ran from 2026-12-04 21:00 UTC on, when this machine ran balanced S-SGD at about 0.7
-of the rate measured beside ×2 and ×1.5 (about 3,650 against 5,286 samples/s), so ×2's would overstate its bound."""
+rather than the goal's: ×4 ran from 2026-12-04 21:00 UTC on, when this machine ran balanced S-SGD at 0.71 of
+the rate measured beside ×2 and ×1.5 (3,773 against 5,286 samples/s, medians of 5 seeds), so ×2's would overstate
+its bound."""
 ROUNDS = ("hogbatch", "elastic")
 """The algorithms that run in rounds, with per-rank update counts."""
 
