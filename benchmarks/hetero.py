@@ -194,8 +194,8 @@ def measure(options: harness.Options) -> harness.Report:
         runs += harness.interleave(final_runs(options, budget, factor, chosen), options.reps)
     balanced = balanced_rates(budget, runs)
     missing = harness.progress("race", tuning, expected * len(budget.lr_grid))
-    own = len(set(OWN_BALANCED) & set(budget.imbalances))
-    missing += harness.progress("final", runs, (expected + 1 + own) * options.reps)
+    own = [factor for factor in OWN_BALANCED if factor in budget.imbalances]
+    missing += harness.progress("final", runs, (expected + 1 + len(own)) * options.reps)
     return harness.Report(
         question=f"Time to {budget.target_accuracy:.0%} test accuracy, {budget.model} on {budget.dataset}, {RANKS} "
         "ranks × 1 thread, rank 1 slowed, each variant at its best learning rate of one grid (medians with min–max "
@@ -210,7 +210,7 @@ def measure(options: harness.Options) -> harness.Report:
             "budget": asdict(budget),
             "variants": variant_keys(best),
             "balanced_samples_per_s": balanced,
-            "own_balanced": [factor for factor in OWN_BALANCED if factor in budget.imbalances],
+            "own_balanced": own,
         },
         missing=missing,
     )
