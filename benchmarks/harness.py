@@ -200,15 +200,27 @@ def _parser(name: str, full_reps: int) -> argparse.ArgumentParser:
         "--out", type=Path, default=RESULTS_DIR, help=f"directory for {name}.json (default: %(default)s)"
     )
     parser.add_argument(
-        "--reps", type=int, default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
+        "--reps", type=positive(int), default=None, help=f"repetitions of each variant (default: {full_reps}, quick: 1)"
     )
     parser.add_argument(
         "--budget-minutes",
-        type=float,
+        type=positive(float),
         default=None,
         help="start no training run that would end past this many minutes; report what the point store holds",
     )
     return parser
+
+
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` above 0, else argparse's one-line error (exit 2)."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    return parse
 
 
 def _worker_main(worker: Callable[[dict], dict], settings_path: Path, result_path: Path) -> None:

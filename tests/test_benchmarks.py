@@ -507,3 +507,16 @@ def test_hetero_bounds_a_slowdown_of_own_balanced_by_balanced_runs_measured_besi
     rows = {row["slowdown"]: row for row in hetero.final_rows(budget, best, runs, hetero.balanced_rates(budget, runs))}
     assert rows["×2"]["bound_samples_per_s"] == 10.0 * (1 + 1 / 2) / 2
     assert rows["×4"]["bound_samples_per_s"] == 6.0 * (1 + 1 / 4) / 2
+
+
+@pytest.mark.parametrize("flag", [["--reps", "0"], ["--budget-minutes", "-1"]])
+def test_a_refused_benchmark_flag_is_one_line_and_writes_nothing(flag, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hetero", *flag, "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and f"argument {flag[0]}: must be above 0" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
