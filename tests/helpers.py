@@ -167,12 +167,17 @@ class RecordingDataset(ArrayDataset):
         return super().get_batch(indices)
 
 
+SLOWDOWN = 16
+"""How much slower `rounds_run`'s last rank computes: a step of the tests' small MLP takes about a millisecond, so
+that a smaller factor can hide in the exchanges' latency when 4 ranks share 2 cores."""
+
+
 def rounds_run(comm, shared_tmp, algorithm="hogbatch", **overrides):
-    """Train for one epoch, rank P-1 slower by 4 and the ranks' batch sizes unequal; return the result, every sample
-    index every rank took, the evaluation records, the training set's size and the largest batch size."""
+    """Train for one epoch, rank P-1 slower by SLOWDOWN and the ranks' batch sizes unequal; return the result, every
+    sample index every rank took, the evaluation records, the training set's size and the largest batch size."""
     train, test = datasets(comm.size, 2)
     train = RecordingDataset(train)
-    slow = {"inject_imbalance": f"slow-rank:{comm.size - 1}:4"} if comm.size > 1 else {}
+    slow = {"inject_imbalance": f"slow-rank:{comm.size - 1}:{SLOWDOWN}"} if comm.size > 1 else {}
     sizes = tuple(BATCH + 2 * (r % 2) for r in range(comm.size))
     cfg = run_config(
         shared_tmp,

@@ -62,6 +62,9 @@ class ModelServer(Communicator):
         """Updates applied since the start of the run (on the server's rank; elsewhere as of the last `meet`)."""
         self.updates = np.zeros(groups, np.int64)
         """On the server's rank: updates applied per group since the start of the run."""
+        self.met = self._counters()
+        """`version` and `updates` of the state every rank took at the last `meet` (or load), on every rank: what
+        `state_dict` gives, since the server's thread may already apply a faster group's next round."""
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.error: BaseException | None = None
@@ -80,6 +83,7 @@ class ModelServer(Communicator):
             self.splits[groups] = MpiCommunicator(self.data.mpi_comm.Split(self.data.rank // size, self.data.rank))
         self._use_group(groups)
         self.updates = np.zeros(groups, np.int64)
+        self.met = {**self.met, "updates": self.updates.tolist()}
         self.window = self._empty_window()
 
     def _use_group(self, groups: int) -> None:
@@ -179,13 +183,18 @@ class ModelServer(Communicator):
         """Give every rank the server's state once every group's last update is applied (collective over `data`):
         `outs[i]` becomes held tensor i."""
         wait_sleeping([self.data.mpi_comm.Ibarrier()])
+        counters = None
         if self.data.rank == SERVER_RANK:
             with self.lock:
                 for out, held in zip(outs, self.held, strict=True):
                     out.copy_(held)
+                counters = self._counters()
         for out in outs:
             self.data.broadcast_(out, SERVER_RANK)
-        self.version = self.read_version = self.data.bcast_json(self.version)
+        self.met = self.data.bcast_json(counters)
+        self.read_version = self.met["version"]
+        if self.data.rank != SERVER_RANK:
+            self.version = self.read_version
 
     def stop(self) -> None:
         """Stop the server thread (after `meet`: no message is in flight); the next exchange of group 0 restarts it."""
@@ -235,7 +244,10 @@ class ModelServer(Communicator):
         return self.data.bcast_json(stats)
 
     def state_dict(self) -> dict:
-        """Return the server's counters (its tensors are the run's central model after `meet`)."""
+        """Return the server's counters as of the last `meet` (its tensors then are the run's central model)."""
+        return {"version": self.met["version"], "updates": list(self.met["updates"])}
+
+    def _counters(self) -> dict:
         return {"version": self.version, "updates": self.updates.tolist()}
 
     def load_state_dict(self, state: dict, held: Sequence[torch.Tensor]) -> None:
@@ -244,6 +256,7 @@ class ModelServer(Communicator):
         self.version = self.read_version = state.get("version", 0)
         updates = np.array(state.get("updates", []), np.int64)
         self.updates = updates if len(updates) == self.groups else np.zeros(self.groups, np.int64)
+        self.met = self._counters()
         if self.data.rank == SERVER_RANK:
             with self.lock:
                 for mine, restored in zip(self.held, held, strict=True):
