@@ -238,11 +238,11 @@ def link_runs(options: harness.Options, budget: Budget, rate: str, every: dict[s
 def link_rows(rate: str, every: dict[str, Variant], runs: list[dict]) -> list[dict]:
     """One row per variant with runs over one link."""
     reference = harness.train_row(runs, "sma H=1")["tta_s"]
-    reference_bytes = harness.median(harness.column(runs, "sma H=1", "comm_bytes_per_sample"))
+    reference_bytes = bytes_per_sample(runs, "sma H=1")
     rows = []
     for name, variant in harness.measured(every, runs).items():
         row = harness.train_row(runs, name)
-        bytes_per_sample = harness.median(harness.column(runs, name, "comm_bytes_per_sample"))
+        sent = bytes_per_sample(runs, name)
         local = variant.trainer == "crossbow" and variant.h > 1
         peers = {
             column: harness.ratio(harness.train_row(runs, f"{peer} H={variant.h}")["tta_s"], row["tta_s"])
@@ -257,13 +257,18 @@ def link_rows(rate: str, every: dict[str, Variant], runs: list[dict]) -> list[di
                 "reached": row["reached"],
                 "tta_s": row["tta_s"],
                 "accuracy": row["accuracy"],
-                "comm_bytes_per_sample": bytes_per_sample,
+                "comm_bytes_per_sample": sent,
                 "vs_sma": harness.ratio(reference, row["tta_s"]),
-                "fewer_bytes": harness.ratio(reference_bytes, bytes_per_sample),
+                "fewer_bytes": harness.ratio(reference_bytes, sent),
                 **(peers if local else dict.fromkeys(peers)),
             }
         )
     return rows
+
+
+def bytes_per_sample(runs: list[dict], name: str) -> float | None:
+    """The median bytes per sample of a variant's runs that measured them (a run that diverged did not)."""
+    return harness.median([run["comm_bytes_per_sample"] for run in runs if run["variant"] == name and "diverged" not in run])
 
 
 def goals(budget: Budget, rows: list[dict]) -> dict:
