@@ -8,6 +8,7 @@ import json
 import shutil
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,8 @@ def same_state(a, b) -> bool:
     """Tell whether two snapshots hold the same values, tensor for tensor."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_state(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)):

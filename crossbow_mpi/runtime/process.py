@@ -8,6 +8,7 @@ import random
 import sys
 import threading
 import traceback
+from typing import Any
 
 import numpy as np
 import torch
@@ -211,15 +212,22 @@ def exit_promptly(code: int, finalize: bool = True) -> None:
 
 
 def rng_state() -> dict:
-    """Return this process's Python, NumPy and torch generator states as JSON-serialisable values."""
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    """Return this process's Python, NumPy and torch generator states, as their own copies (`jsonable` writes
+    them as JSON)."""
     return {
         "python": random.getstate(),
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else [],
+        "numpy": np.random.get_state(legacy=False),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
     }
+
+
+def jsonable(value: Any) -> Any:
+    """`json.dumps`'s `default` for `rng_state`: NumPy arrays and tensors as lists (kept as arrays otherwise: a
+    rollback copies them every step, where a list of their 6,000 numbers took longer)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def load_rng_state(state: dict) -> None:
@@ -229,6 +237,6 @@ def load_rng_state(state: dict) -> None:
     numpy_state = dict(state["numpy"], state=dict(state["numpy"]["state"]))
     numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(numpy_state)
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
     if state["cuda"]:
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]])

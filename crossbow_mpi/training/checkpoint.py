@@ -46,6 +46,7 @@ import torch
 
 from crossbow_mpi.comm import Communicator
 from crossbow_mpi.config import ConfigError
+from crossbow_mpi.runtime import process
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"^checkpoint-(\d{9})\.h5$")
@@ -95,7 +96,7 @@ def save(
         json.dumps(snapshot.get("controllers", [])).encode(),
         _bytes(learners["weights"]),
         _bytes(learners["momentum"]),
-        json.dumps(snapshot["rng"]).encode(),
+        json.dumps(snapshot["rng"], default=process.jsonable).encode(),
         _pack(learners.get("optimizer", {})),
         _pack(snapshot.get("wire", {})),
     ]
