@@ -268,8 +268,8 @@ def link_rows(rate: str, every: dict[str, Variant], runs: list[dict]) -> list[di
 
 def bytes_per_sample(runs: list[dict], name: str) -> float | None:
     """The median bytes per sample of a variant's runs that measured them (a run that diverged did not)."""
-    mine = [run for run in runs if run["variant"] == name and "diverged" not in run]
-    return harness.median([run["comm_bytes_per_sample"] for run in mine])
+    measured = [run for run in runs if "diverged" not in run]
+    return harness.median(harness.column(measured, name, "comm_bytes_per_sample"))
 
 
 def goals(budget: Budget, rows: list[dict]) -> dict:

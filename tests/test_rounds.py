@@ -85,10 +85,9 @@ def test_the_servers_counters_are_those_of_the_state_met_while_a_faster_group_go
     server.meet((held,))
     if comm.rank == 0:
         time.sleep(0.5)  # the server's rank is slow to read its counters
-        met = server.state_dict()
     else:
         server.exchange(one.clone(), held, (), 1)  # the next round's first update, at once
-        met = server.state_dict()
+    met = server.state_dict()
     server.end_round()
     server.meet((held,))
     server.close()
