@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crossbow_mpi: error: {err}; resume with --resume on the ranks left", file=sys.stderr, flush=True)
         return ulfm.EXIT_RANK_LOST
     except (ConfigError, CheckpointError, DivergenceError) as err:
-        if rank == 0:
+        if ulfm.leader(rank):
             print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR
 
@@ -103,6 +103,7 @@ def run(config: Config, rank: int) -> int:
 
     from crossbow_mpi.data import build_dataset
     from crossbow_mpi.models import LANGUAGE_MODELS, build_model, token_cross_entropy
+    from crossbow_mpi.runtime import ulfm
     from crossbow_mpi.training.trainer import Trainer, agree
 
     trainer = Trainer(config)
@@ -116,15 +117,16 @@ def run(config: Config, rank: int) -> int:
     agree(trainer.comm, model_fn)  # a size the model cannot take is one line, before training
     loss_fn = token_cross_entropy if config.model in LANGUAGE_MODELS else F.cross_entropy
     result = trainer.fit(model_fn, train_set, test_set, loss_fn)
+    speaks = ulfm.leader(rank)  # after a rank loss, rank 0 of the survivors
     if result.preempted:
-        if rank == 0:
+        if speaks:
             print(
                 f"stopped by a signal after {result.iterations} iterations; checkpoint written to "
                 f"{config.run_dir}; continue with --resume",
                 flush=True,
             )
         return EXIT_PREEMPTED
-    if rank == 0:
+    if speaks:
         targets = " or ".join(
             ([f"{config.target_accuracy:.2%}"] if config.target_accuracy > 0 else [])
             + ([f"test loss {config.target_loss:g}"] if config.target_loss is not None else [])

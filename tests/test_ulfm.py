@@ -195,6 +195,8 @@ def test_hogbatch_loses_a_worker_then_the_servers_rank(tmp_path):
     assert job.returncode == 0, job.stderr
     lost = [(r["ranks"], r["world_size"], r["iteration"]) for r in records(run_dir) if r.get("event") == "rank_lost"]
     assert lost == [([1], 3, 3), ([0], 2, 6)]
+    assert "trained to the epoch limit" in job.stdout, "the survivors' rank 0 tells the outcome"
+    assert "but MPI places this rank" not in job.stderr, "no launcher warning for the survivors' numbering"
     assert checkpoint_state(run_dir, "algorithm")["version"] * LEARNERS * BATCH == records(run_dir)[-1]["samples"]
 
 

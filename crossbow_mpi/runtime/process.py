@@ -113,9 +113,11 @@ def check_launch() -> None:
     check_thread_level(MPI.Query_thread())
 
 
-def node_placement(comm, environ=os.environ) -> tuple[int, int, int]:
+def node_placement(comm, environ=os.environ, shrunk: bool = False) -> tuple[int, int, int]:
     """Return this rank's index among the ranks of its node (as MPI reports it), their number, and its share of
-    the CPUs it may run on: each CPU counts as 1/n when n ranks of the node may run on it."""
+    the CPUs it may run on: each CPU counts as 1/n when n ranks of the node may run on it. Warn where the
+    launcher's local ranks disagree with MPI's, unless `comm` holds the survivors of a rank loss (`shrunk`), whose
+    launcher numbered the ranks before it."""
     MPI = mpi()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -132,7 +134,7 @@ def node_placement(comm, environ=os.environ) -> tuple[int, int, int]:
         node.Allgather(claimed, claims)
     finally:
         node.Free()
-    if (claims >= 0).any() and sorted(claims.tolist()) != list(range(local_size)):
+    if not shrunk and (claims >= 0).any() and sorted(claims.tolist()) != list(range(local_size)):
         warn_on_local_rank_disagreement(local_rank, environ)
     return local_rank, local_size, max(1, int(sum(1 / sharing[cpu] for cpu in mine) + 1e-9))
 

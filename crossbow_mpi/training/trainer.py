@@ -324,7 +324,7 @@ class Trainer:
         iteration = ulfm.agree_min(survivors, rollback.newest())
         if iteration < 0:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died before the first step")
-        local_rank, local_size, _ = process.node_placement(survivors)
+        local_rank, local_size, _ = process.node_placement(survivors, shrunk=True)
         data = build_communicator(survivors, cfg.comm, self.device, cfg.hierarchy)
         self.topology = _data_topology(cfg, world, data, local_rank, local_size, shrunk=True)
         run = self.start(*inputs.start_args())
