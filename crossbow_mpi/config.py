@@ -278,6 +278,10 @@ class Config:
     time_limit: float = 0.0
     """Stop at the first evaluation after this many seconds of training, as rank 0's clock reads (0: no limit); the
     run ends as at its epoch limit, with a checkpoint and a summary that says `time_limited`."""
+    divergence_factor: float = 1000.0
+    """Stop as diverged (exit 3, the last checkpoint kept) at the first evaluation whose training or test loss is
+    finite and above this many times the first positive training loss of an evaluation; 0: only a NaN or infinite
+    central model or training loss counts."""
     inject_imbalance: str = ""
     """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
     collective_timeout: float = 300.0
@@ -468,6 +472,8 @@ class Config:
             )
         if self.target_loss is not None and not self.target_loss > 0:
             raise ConfigError(f"--target-loss must be positive, got {self.target_loss}")
+        if not (self.divergence_factor == 0 or self.divergence_factor > 1):
+            raise ConfigError(f"--divergence-factor must be 0 (off) or above 1, got {self.divergence_factor}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"--alpha must be in (0, 1], got {self.alpha}")
         if not max(self.momentum, self.central_momentum, self.merge_momentum) < 1:

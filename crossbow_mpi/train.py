@@ -12,6 +12,7 @@ import sys
 
 from crossbow_mpi.config import ArgumentParser, Config, ConfigError, coerce, load_toml
 from crossbow_mpi.runtime import signals
+from crossbow_mpi.runtime.launchers import launched
 
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -69,8 +70,23 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
     return Config.from_dict(values)
 
 
+def reads_a_file(argv: list[str]) -> bool:
+    """Tell whether a command line names a --config file."""
+    return any(arg == "--config" or arg.startswith("--config=") for arg in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
+    rank, size = launched()
+    try:  # before torch and MPI load: a mistyped flag or value is one line, at once
+        config: Config | ConfigError = parse_config(argv, quiet=rank != 0)
+    except ConfigError as err:
+        if size > 1 and reads_a_file(sys.argv[1:] if argv is None else argv):
+            config = err  # the file may differ between nodes: refuse once MPI runs, where a rank's exit ends the job
+        else:
+            if rank == 0:
+                print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
     from crossbow_mpi.runtime import process, ulfm
     from crossbow_mpi.training.checkpoint import CheckpointError
     from crossbow_mpi.training.trainer import DivergenceError
@@ -86,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     try:
-        config = parse_config(argv, quiet=rank != 0)
+        if isinstance(config, ConfigError):
+            raise config
         return run(config, rank)
     except ulfm.RankLost as err:
         if ulfm.leader(rank):
@@ -152,8 +169,9 @@ def run(config: Config, rank: int) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from crossbow_mpi.runtime import process, ulfm
+    if "mpi4py.MPI" in sys.modules:  # not after a refused command line, which MPI never saw
+        from crossbow_mpi.runtime import process, ulfm
 
-    if code == EXIT_PREEMPTED or ulfm.shrunk():
-        process.exit_promptly(code, finalize=not ulfm.shrunk())
+        if code == EXIT_PREEMPTED or ulfm.shrunk():
+            process.exit_promptly(code, finalize=not ulfm.shrunk())
     sys.exit(code)

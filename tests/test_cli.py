@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 
 import h5py
@@ -83,6 +86,41 @@ def test_toml_errors_are_config_errors(tmp_path):
     bad.write_text("colour = 1\n")
     with pytest.raises(ConfigError, match="unknown config key 'colour'"):
         parse_config(["--config", str(bad)])
+
+
+MAIN = (
+    "import sys; from crossbow_mpi import train; "
+    "print(train.main(sys.argv[1:]), 'torch' in sys.modules, 'mpi4py.MPI' in sys.modules)"
+)
+"""Run main, then print its exit code and whether torch and MPI were loaded."""
+
+
+@pytest.mark.parametrize(
+    "args, launched, loaded, lines",
+    [
+        (["--learner", "2"], {}, "False False", 1),
+        (["--config", "absent.toml"], {}, "False False", 1),
+        (["--learner", "2"], {"PMI_SIZE": "2", "PMI_RANK": "1"}, "False False", 0),
+        (["--config", "absent.toml"], {"PMI_SIZE": "2", "PMI_RANK": "1"}, "True True", 1),  # MPI's rank 0, alone
+    ],
+)
+def test_a_refused_command_line_loads_neither_torch_nor_mpi_unless_its_file_may_differ_between_nodes(
+    tmp_path, args, launched, loaded, lines
+):
+    """A mistyped flag is one line at once; a --config file read by several processes may be missing on one node
+    only, so it is refused once MPI runs, where that process's exit ends the job instead of leaving the others in
+    MPI's start-up."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")}
+    job = subprocess.run(
+        [sys.executable, "-c", MAIN, *args],
+        cwd=tmp_path,
+        env={**env, **launched},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert job.stdout.split() == ["2", *loaded.split()], job.stderr
+    assert job.stderr.count("crossbow_mpi: error:") == lines
 
 
 def corrupt_mnist(tmp_path):

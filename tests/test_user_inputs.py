@@ -3,6 +3,8 @@ exception on one rank of an API job."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import subprocess
@@ -20,6 +22,7 @@ from crossbow_mpi import Config, ConfigError, Trainer
 from crossbow_mpi.data import DataError, synthetic_dataset
 from crossbow_mpi.data.sampler import fetch_batch
 from crossbow_mpi.train import parse_config
+from crossbow_mpi.training.hooks import DivergenceError
 
 from helpers import REPO, metrics_records, mpirun_command, run_job
 
@@ -167,6 +170,37 @@ class TupleOutput(nn.Module):
     def forward(self, x):
         scores = self.body(x)
         return scores, scores.square().mean()
+
+
+def jumping_loss(after: int):
+    """Cross-entropy plus 1e6 from the `after`-th training call on: the gradients, and so the model, stay finite
+    and those of cross-entropy, while the loss explodes (as SMA's nesterov over int8 syncs did, at 5e10)."""
+    calls = itertools.count()
+
+    def loss_fn(outputs, targets):
+        jump = 1e6 if outputs.requires_grad and next(calls) >= after else 0.0
+        return nn.functional.cross_entropy(outputs, targets) + jump
+
+    return loss_fn
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("factor", [1000.0, 0.0])
+def test_a_finite_loss_past_the_divergence_factor_stops_every_rank_and_keeps_the_last_checkpoint(
+    comm, shared_tmp, factor
+):
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    test = synthetic_dataset((1, 6, 6), 10, 60, seed=1)
+    config = small_config(shared_tmp, eval_every=32 * comm.size, checkpoint_every=4, divergence_factor=factor)
+    fit = functools.partial(Trainer(config, comm).fit, mlp, train, test, loss_fn=jumping_loss(after=2 * 4))
+    if not factor:
+        assert fit().iterations == 8
+        return
+    with pytest.raises(DivergenceError) as err:
+        fit()
+    assert "diverged at iteration 8: the training loss 1e+06 is above --divergence-factor 1000 times" in str(err.value)
+    assert "the last checkpoint, checkpoint-000000004.h5, is kept" in str(err.value)
+    assert [record["iteration"] for record in metrics_records(comm, shared_tmp)] == [4, 8]
 
 
 @pytest.mark.mpi(min_size=1)

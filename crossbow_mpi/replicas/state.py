@@ -57,6 +57,8 @@ class TrainState(_Serialised):
     """Training seconds until a target (accuracy or loss) was first reached."""
     last_eval: int | None = None
     """Iteration of the last evaluation."""
+    first_train_loss: float | None = None
+    """The first positive training loss of an evaluation: the divergence check's reference."""
 
     def epoch_progress(self, num_samples: int) -> float:
         """Return the fractional epoch."""

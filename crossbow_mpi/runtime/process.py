@@ -16,17 +16,9 @@ import torch
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.data.datasets import DataError
 from crossbow_mpi.runtime import signals
+from crossbow_mpi.runtime.launchers import launcher_variables
 from crossbow_mpi.runtime.signals import install_stop_signals as install_stop_signals
 from crossbow_mpi.runtime.signals import stop_requested as stop_requested
-
-LAUNCHERS = (
-    ("OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),  # Open MPI's mpirun
-    ("PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),  # Hydra (MPICH, Intel MPI) and other PMI launchers
-    ("SLURM_STEP_NUM_TASKS", ("SLURM_LOCALID",)),  # srun
-)
-"""Each launcher's variable for the number of processes it started and its variables for a process's index on
-its node; innermost launcher first, since a process also inherits the variables of the launchers around the one
-that started it (a batch shell's SLURM_LOCALID=0 reaches every rank that a Hydra mpirun starts in it)."""
 
 
 def mpi():
@@ -76,11 +68,6 @@ def install_abort_on_failure() -> None:
 
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)
-
-
-def launcher_variables(environ=os.environ) -> tuple[str, tuple[str, ...]] | None:
-    """Return the size and local-rank variable names of the launcher that started this process, if any."""
-    return next((launcher for launcher in LAUNCHERS if launcher[0] in environ), None)
 
 
 def check_world_size(size: int, environ=os.environ) -> None:

@@ -41,7 +41,7 @@ signal (asynchronous algorithms' rounds end where every rank meets: they stop at
 
 
 class DivergenceError(RuntimeError):
-    """The loss or the central model became NaN or infinite."""
+    """The loss or the central model became NaN or infinite, or the loss grew past `--divergence-factor`."""
 
 
 class Clock:
@@ -64,9 +64,10 @@ class DivergenceCheck:
     each rank decides alone; after a round of an algorithm whose ranks pull z from a server at their own pace
     (Omnivore, Hogbatch), one rank's copy may be non-finite while another's is not yet, so the ranks vote."""
 
-    def __init__(self, world: Communicator, run_dir: str):
+    def __init__(self, world: Communicator, run_dir: str, factor: float = 0.0):
         self.world = world
         self.run_dir = run_dir
+        self.factor = factor
         self.pending: tuple[int, Callable[[], float], torch.Tensor, bool] | None = None
         self.algorithm = ""
         self.unscaled_sizes: tuple[int, ...] = ()
@@ -95,6 +96,24 @@ class DivergenceCheck:
             culprits = [f"learner {j} on rank {rank}" for rank, learners in enumerate(bad) for j in learners]
             where = f"non-finite loss of {', '.join(culprits)}" if culprits else "the central model became non-finite"
             raise DivergenceError(f"training diverged at iteration {iteration}: {where}; {self._advice()}")
+
+    def check_losses(self, state: TrainState, record: dict) -> None:
+        """Raise DivergenceError when the evaluation's training or test loss is finite and above `factor` times the
+        first positive training loss (collective: rank 0 decides, so that rounding cannot split the ranks). A
+        non-finite test loss with a finite z comes from the test data, which the record flags."""
+        if state.first_train_loss is None and record["train_loss"] > 0:
+            state.first_train_loss = record["train_loss"]
+        reference = state.first_train_loss
+        if not self.factor or reference is None:
+            return
+        losses = {"training": record["train_loss"], "test": record["test_loss"]}
+        over = [f"{name} loss {loss:.3g}" for name, loss in losses.items() if self.factor * reference < loss < math.inf]
+        if self.world.bcast_json(over):
+            raise DivergenceError(
+                f"training diverged at iteration {state.iteration}: the {' and the '.join(over)} "
+                f"{'are' if len(over) > 1 else 'is'} above --divergence-factor {self.factor:g} times the first "
+                f"training loss, {reference:.3g}; {self._advice()}"
+            )
 
     def _advice(self) -> str:
         """The likely cause and fix, and what was kept."""
@@ -486,7 +505,7 @@ class Components:
             tuning=tuning,
             controllers=adjusting,
             retuning=Retuning(config, world, run, metrics, progress, stopping.now, stopping.lag),
-            divergence=DivergenceCheck(world, config.run_dir),
+            divergence=DivergenceCheck(world, config.run_dir, config.divergence_factor),
             stopping=stopping,
             watchdog=Watchdog(world, config.collective_timeout) if config.collective_timeout else _NoWatchdog(),
             metrics=metrics,

@@ -375,6 +375,7 @@ class Trainer:
                 c.divergence.check()
             if evaluate:
                 record = c.evaluation(run, lr, clock.elapsed(state))
+                c.divergence.check_losses(state, record)
                 if cfg.time_limit:
                     time_limited = self.topology.world.bcast_json(clock.elapsed(state) >= cfg.time_limit)
             if save:
@@ -391,6 +392,7 @@ class Trainer:
             return _result(run, {"test_accuracy": math.nan, "test_loss": math.nan}, preempted=True)
         if state.last_eval != state.iteration or record is None:
             record = c.evaluation(run, lr, clock.elapsed(state))
+            c.divergence.check_losses(state, record)
         c.checkpoints.save(run, clock.elapsed(state))
         summary = {**self._summary(run, record, clock.elapsed(state)), "time_limited": time_limited}
         c.metrics.write(summary)
