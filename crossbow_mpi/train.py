@@ -70,22 +70,16 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
     return Config.from_dict(values)
 
 
-def reads_a_file(argv: list[str]) -> bool:
-    """Tell whether a command line names a --config file."""
-    return any(arg == "--config" or arg.startswith("--config=") for arg in argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
     rank, size = launched()
     try:  # before torch and MPI load: a mistyped flag or value is one line, at once
         config: Config | ConfigError = parse_config(argv, quiet=rank != 0)
     except ConfigError as err:
-        if size > 1 and reads_a_file(sys.argv[1:] if argv is None else argv):
-            config = err  # the file may differ between nodes: refuse once MPI runs, where a rank's exit ends the job
+        if size > 1:  # refuse once MPI runs: a rank that left before MPI_Init could end the job before rank 0 says
+            config = err  # why, and a --config file may be missing on one node only, leaving the others in MPI_Init
         else:
-            if rank == 0:
-                print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
+            print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
     from crossbow_mpi.runtime import process, ulfm
     from crossbow_mpi.training.checkpoint import CheckpointError
