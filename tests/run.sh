@@ -3,7 +3,9 @@
 # documentation's strict build (where mkdocs.yml exists), the serial tests, then the MPI tests under 1, 2 and 4 ranks
 # (oversubscribed where the machine has fewer cores), each under a timeout, with the venv's mpirun (Open MPI's or
 # MPICH's Hydra). `--fast` (first argument) leaves out the tests marked slow and runs the MPI tests under 2 ranks
-# only: a few minutes. CROSSBOW_TEST_MPI_ONLY=1 runs only the MPI tests. Other arguments go to pytest.
+# only: a few minutes. The serial tests run in CROSSBOW_TEST_WORKERS pytest-xdist processes (default 2: one at a time
+# they keep about 1.3 cores busy, waiting on start-ups). CROSSBOW_TEST_MPI_ONLY=1 runs only the MPI tests. Other
+# arguments go to pytest.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 fast=0
@@ -39,7 +41,7 @@ if [ "${CROSSBOW_TEST_MPI_ONLY:-0}" != 1 ]; then
         rm -rf "$site"
     fi
     echo "== serial tests"
-    python -m pytest -q --durations=15 "${serial[@]}" tests "$@" || status=$?
+    python -m pytest -q --durations=15 -n "${CROSSBOW_TEST_WORKERS:-2}" "${serial[@]}" tests "$@" || status=$?
 fi
 for ranks in "${all_ranks[@]}"; do
     echo "== MPI tests on $ranks rank(s) ($(mpirun --version 2>&1 | grep -m1 -E 'Open MPI|Version:' | tr -s ' '))"
