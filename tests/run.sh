@@ -4,7 +4,7 @@
 # (oversubscribed where the machine has fewer cores), each under a timeout, with the venv's mpirun (Open MPI's or
 # MPICH's Hydra). `--fast` (first argument) leaves out the tests marked slow and runs the MPI tests under 2 ranks
 # only: a few minutes. The serial tests run in CROSSBOW_TEST_WORKERS pytest-xdist processes (default 2: one at a time
-# they keep about 1.3 cores busy, waiting on start-ups; 0 runs them in pytest's own process). CROSSBOW_TEST_MPI_ONLY=1
+# they kept about 1.3 of 2 cores busy; 0 runs them in pytest's own process). CROSSBOW_TEST_MPI_ONLY=1
 # runs only the MPI tests. Other arguments go to pytest.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
