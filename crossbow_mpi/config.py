@@ -280,8 +280,8 @@ class Config:
     run ends as at its epoch limit, with a checkpoint and a summary that says `time_limited`."""
     divergence_factor: float = 1000.0
     """Stop as diverged (exit 3, the last checkpoint kept) at the first evaluation whose training or test loss is
-    finite and above this many times the first positive training loss of an evaluation; 0: only a NaN or infinite
-    central model or training loss counts."""
+    finite and above this many times the first training loss: the lower of the first step's (before any update) and
+    the first evaluation's; 0: only a NaN or infinite central model or training loss counts."""
     inject_imbalance: str = ""
     """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
     collective_timeout: float = 300.0

@@ -7,6 +7,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -201,6 +202,23 @@ def test_a_finite_loss_past_the_divergence_factor_stops_every_rank_and_keeps_the
     assert "diverged at iteration 8: the training loss 1e+06 is above --divergence-factor 1000 times" in str(err.value)
     assert "the last checkpoint, checkpoint-000000004.h5, is kept" in str(err.value)
     assert [record["iteration"] for record in metrics_records(comm, shared_tmp)] == [4, 8]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_loss_that_explodes_before_the_first_evaluation_stops_the_run_there(comm, shared_tmp):
+    """The first evaluation's training loss is then already past the factor, so the first step's loss, taken
+    before any update, is the reference: SMA's nesterov outer step over int8 syncs at H = 4 sat at a loss of 5e10
+    for 10 epochs, measured against a first evaluation it had already ruined."""
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    test = synthetic_dataset((1, 6, 6), 10, 60, seed=1)
+    config = small_config(shared_tmp, eval_every=32 * comm.size, checkpoint_every=4)
+    with pytest.raises(DivergenceError) as err:
+        Trainer(config, comm).fit(mlp, train, test, loss_fn=jumping_loss(after=2))
+    assert re.search(
+        r"diverged at iteration 4: the training loss 7\.5e\+05 is above --divergence-factor 1000 times "
+        r"the first training loss, 2\.\d",
+        str(err.value),
+    )
 
 
 @pytest.mark.mpi(min_size=1)

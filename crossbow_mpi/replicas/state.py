@@ -58,7 +58,10 @@ class TrainState(_Serialised):
     last_eval: int | None = None
     """Iteration of the last evaluation."""
     first_train_loss: float | None = None
-    """The first positive training loss of an evaluation: the divergence check's reference."""
+    """The first positive training loss of an evaluation: a reference of the divergence check."""
+    start_loss: float | None = None
+    """This rank's mean positive loss at the run's first step, before any update: the divergence check's other
+    reference, for a loss that explodes before the first evaluation."""
 
     def epoch_progress(self, num_samples: int) -> float:
         """Return the fractional epoch."""

@@ -76,6 +76,8 @@ class DivergenceCheck:
     def after_step(self, run: Run, step: Step) -> None:
         """Check the previous step, then hold this one's z sum (and losses, to name culprits)."""
         self.check()
+        if self.factor and run.state.iteration == 1:
+            run.state.start_loss = _mean_positive(step.losses.tolist())
         read_z_sum = run.engine.after_sync(run.central.z.sum)
         self.pending = (run.state.iteration, read_z_sum, step.losses, run.algorithm.rounds)
         self.algorithm = run.algorithm.name
@@ -99,11 +101,12 @@ class DivergenceCheck:
 
     def check_losses(self, state: TrainState, record: dict) -> None:
         """Raise DivergenceError when the evaluation's training or test loss is finite and above `factor` times the
-        first positive training loss (collective: rank 0 decides, so that rounding cannot split the ranks). A
-        non-finite test loss with a finite z comes from the test data, which the record flags."""
+        lower of the first step's loss and the first positive training loss of an evaluation (collective: rank 0
+        decides, so that rounding cannot split the ranks). A non-finite test loss with a finite z comes from the
+        test data, which the record flags."""
         if state.first_train_loss is None and record["train_loss"] > 0:
             state.first_train_loss = record["train_loss"]
-        reference = state.first_train_loss
+        reference = min((loss for loss in (state.start_loss, state.first_train_loss) if loss is not None), default=None)
         if not self.factor or reference is None:
             return
         losses = {"training": record["train_loss"], "test": record["test_loss"]}
@@ -133,6 +136,12 @@ class DivergenceCheck:
             )
         kept = checkpoint.list_checkpoints(self.run_dir)
         return fix + (f"; the last checkpoint, {kept[-1].name}, is kept" if kept else "; no checkpoint was written")
+
+
+def _mean_positive(losses: list[float]) -> float | None:
+    """The mean of the positive finite losses (None if there are none: a pipeline stage without the loss)."""
+    kept = [loss for loss in losses if 0 < loss < math.inf]
+    return sum(kept) / len(kept) if kept else None
 
 
 class Evaluation:
