@@ -1,10 +1,12 @@
 """A rank killed during training: going on with the survivors (ULFM) against ending the job and resuming.
 
-    python -m benchmarks.faults [--quick] [--reps 3]
+    python -m benchmarks.faults [--quick] [--reps 3] [--budget-minutes 60]
 
-P ranks train S-SGD to the target accuracy, with a checkpoint every eighth of the fault-free run's iterations. A
-rank is SIGKILLed (`CROSSBOW_KILL_AT`) at 25 %, 50 % and 75 % of the fault-free run's iterations, and the run
-reaches the target by one of two paths:
+P ranks train S-SGD to the target accuracy, every run with a checkpoint every 400 iterations (about an eighth of
+the fault-free run; before 2026-12-05 the interval came from the fault-free run's length, unknown when that run
+started, so it wrote a checkpoint at every iteration and its time was inflated). A rank is SIGKILLed
+(`CROSSBOW_KILL_AT`) at 25 %, 50 % and 75 % of the fault-free run's iterations, and the run reaches the
+target by one of two paths:
 
 - `ulfm`: `mpirun --with-ft ulfm`, `--on-rank-loss continue`: the P − 1 survivors drop the step in flight and
   go on (one launch);
@@ -14,11 +16,13 @@ reaches the target by one of two paths:
 Each path's time is the wall-clock seconds of its launches until the run ends (start-ups included), against the
 same run with no fault (`none`); `lost_s` is the difference. `recovery_s` is the ULFM run's own measure, from the
 survivors' revoke to the checkpoint written after it. `--quick` (2 ranks, an MLP on synthetic data, the 50 %
-fault only) checks that it runs in a few launches.
+fault only) checks that it runs in a few launches. Every run is kept in the point store
+(OUT/faults.points.jsonl), so `--budget-minutes` runs it in chunks, seed by seed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -31,15 +35,18 @@ FULL = {
     "ranks": 4,
     "faults": (0.25, 0.5, 0.75),
     "flags": {"model": "lenet", "dataset": "mnist", "target_accuracy": 0.99, "eval_every": 15000, "epochs": 10},
+    "checkpoint_every": 400,
     "timeout_s": 1800,
 }
 QUICK = {
     "ranks": 2,
     "faults": (0.5,),
     "flags": {k: v for k, v in harness.QUICK_TRAINING.items() if k != "timeout_s"},
+    "checkpoint_every": 5,
     "timeout_s": harness.QUICK_TRAINING["timeout_s"],
 }
 COMMON = {"algorithm": "ssgd", "batch_size": 16, "lr": 0.01, "learners": 1}
+PATHS = ("ulfm", "restart")
 
 
 def launch(ranks: int, run_dir: str, flags: dict, timeout: float, kill: str = "", ft: bool = False) -> float:
@@ -56,11 +63,12 @@ def launch(ranks: int, run_dir: str, flags: dict, timeout: float, kill: str = ""
     return time.perf_counter() - started
 
 
-def one_run(path: str, fault: float | None, iterations: int, mode: dict, seed: int) -> dict:
-    """Run one path with a rank killed at `fault` of `iterations` (None: no fault); return its row's numbers."""
-    ranks, timeout = mode["ranks"], mode["timeout_s"]
-    flags = {**mode["flags"], **COMMON, "seed": seed, "checkpoint_every": max(1, iterations // 8)}
-    kill = "" if fault is None else f"{ranks - 1}:{max(1, round(fault * iterations))}"
+def run_path(path: str, ranks: int, flags: dict, timeout: float) -> dict:
+    """The point store's runner: train `flags` by `path` ("none", "ulfm" or "restart"), the last rank killed at
+    iteration `kill_at` (a key of `flags`, with `fault_at`, the fraction it stands for); return the run's numbers."""
+    flags = dict(flags)
+    kill_at, fault = flags.pop("kill_at", None), flags.pop("fault_at", None)
+    kill = "" if kill_at is None else f"{ranks - 1}:{kill_at}"
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as run_dir:
         if path == "ulfm":
             wall_s = launch(ranks, run_dir, {**flags, "on_rank_loss": "continue"}, timeout, kill, ft=True)
@@ -73,7 +81,6 @@ def one_run(path: str, fault: float | None, iterations: int, mode: dict, seed: i
     return {
         "path": path,
         "fault_at": fault,
-        "seed": seed,
         "reached": summary["reached"],
         "tta_s": summary["time_to_target_s"],
         "wall_s": wall_s,
@@ -84,21 +91,28 @@ def one_run(path: str, fault: float | None, iterations: int, mode: dict, seed: i
 
 def measure(options: harness.Options) -> harness.Report:
     mode = QUICK if options.quick else FULL
+    ranks, timeout, store = mode["ranks"], mode["timeout_s"], options.store
+    flags = {**mode["flags"], **COMMON, "checkpoint_every": mode["checkpoint_every"]}
     runs: list[dict] = []
     for rep in range(options.reps):
-        baseline = one_run("none", None, 0, mode, rep + 1)
-        runs.append(baseline)
-        for fault in mode["faults"]:
-            for path in ("ulfm", "restart"):
-                harness.log(f"seed {rep + 1}: {path}, a rank killed at {fault:.0%}")
-                runs.append(one_run(path, fault, baseline["iterations"], mode, rep + 1))
+        baseline = store.train("faults", "none", ranks, flags, rep + 1, timeout)
+        if baseline is None:
+            break
+        runs.append({"seed": rep + 1, **baseline})
+        for fault, path in itertools.product(mode["faults"], PATHS):
+            kill_at = max(1, round(fault * baseline["iterations"]))
+            harness.log(f"seed {rep + 1}: {path}, a rank killed at {fault:.0%} (iteration {kill_at})")
+            run = store.train("faults", path, ranks, {**flags, "fault_at": fault, "kill_at": kill_at}, rep + 1, timeout)
+            if run is not None:
+                runs.append({"seed": rep + 1, **run})
     return harness.Report(
-        question=f"Wall-clock seconds to the end of an S-SGD run on {mode['ranks']} ranks with a rank killed "
+        question=f"Wall-clock seconds to the end of an S-SGD run on {ranks} ranks with a rank killed "
         "part-way: going on with the survivors (ulfm) against ending the job and resuming (restart)",
         columns=["fault_at", "path", "reached", "wall_s", "lost_s", "recovery_s"],
         rows=rows(runs),
         runs=runs,
         settings={**{k: v for k, v in mode.items() if k != "flags"}, **mode["flags"], **COMMON},
+        missing=harness.progress("faults", runs, options.reps * (1 + len(mode["faults"]) * len(PATHS))),
     )
 
 
@@ -124,4 +138,4 @@ def rows(runs: list[dict]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    harness.main(measure, full_reps=3)
+    harness.main(measure, full_reps=3, runner=run_path)

@@ -144,9 +144,13 @@ def format_value(value) -> str:
 
 
 def main(
-    measure: Callable[[Options], Report], worker: Callable[[dict], dict] | None = None, full_reps: int = 3
+    measure: Callable[[Options], Report],
+    worker: Callable[[dict], dict] | None = None,
+    full_reps: int = 3,
+    runner: Callable[..., dict] | None = None,
 ) -> None:
-    """Run a benchmark module from the command line (or, with --worker, one rank of its MPI job)."""
+    """Run a benchmark module from the command line (or, with --worker, one rank of its MPI job); `runner`: what
+    the point store launches for a run, with `train`'s signature (None: `train`)."""
     name = Path(sys.modules["__main__"].__file__).stem
     if sys.argv[1:2] == ["--worker"]:
         _worker_main(worker, Path(sys.argv[2]), Path(sys.argv[3]))
@@ -156,7 +160,8 @@ def main(
     store_path = args.out / f"{name}{'.quick' if args.quick else ''}.points.jsonl"
     if args.quick:
         store_path.unlink(missing_ok=True)
-    store = PointStore(store_path, name, None if args.budget_minutes is None else args.budget_minutes * 60)
+    budget_s = None if args.budget_minutes is None else args.budget_minutes * 60
+    store = PointStore(store_path, name, budget_s, runner or train)
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
     started = datetime.datetime.now(datetime.UTC)
     load_before = os.getloadavg()

@@ -301,6 +301,39 @@ def test_a_benchmark_in_chunks_says_what_is_missing_and_ends_as_one_long_run(
         assert sum(1 for _, _, flags in whole_calls if flags.get("compile")) == 2 * 2, "2 systems × 2 seeds"
 
 
+def test_the_faults_benchmark_runs_in_chunks_with_one_checkpoint_interval_and_kills_at_the_baselines_share(
+    tmp_path,
+):
+    """Every run, the fault-free one included, checkpoints at the same interval: the fault-free run's used to come
+    from its own length, unknown when it started, so it checkpointed at every iteration."""
+    from benchmarks import faults, harness
+
+    clock, calls = [0.0], []
+
+    def runner(path, ranks, flags, timeout):
+        calls.append((path, flags))
+        clock[0] += 60
+        wall = {"none": 100.0, "ulfm": 110.0, "restart": 120.0}[path] + flags["seed"]
+        recovery = 0.1 if path == "ulfm" else None
+        result = {"reached": True, "tta_s": wall - 5, "wall_s": wall, "iterations": 40, "recovery_s": recovery}
+        return {"path": path, "fault_at": flags.get("fault_at"), **result}
+
+    def chunk(budget_s):
+        store = harness.PointStore(tmp_path / "faults.jsonl", "faults", budget_s, runner, lambda: clock[0])
+        return faults.measure(harness.Options("faults", True, tmp_path, 2, store))
+
+    assert chunk(150).missing == ["faults 2/6 runs"]
+    assert chunk(400).missing == []
+    whole = chunk(None)
+    assert len(calls) == 6 and {flags["checkpoint_every"] for _, flags in calls} == {faults.QUICK["checkpoint_every"]}
+    assert [(path, flags.get("kill_at")) for path, flags in calls[:3]] == [
+        ("none", None),
+        ("ulfm", 20),
+        ("restart", 20),
+    ]
+    assert [(row["path"], row["lost_s"]) for row in whole.rows] == [("none", None), ("ulfm", 10.0), ("restart", 20.0)]
+
+
 def fake_slow_links(clock: list[float], calls: list, seconds: float):
     """A runner for slow_link's point store: each call takes `seconds` of the fake `clock` and launches over the
     link it is given; local steps pay off (nesterov 100 s, central 200 s, per-step SMA 300 s), local SGD is
