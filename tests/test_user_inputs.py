@@ -206,9 +206,9 @@ def test_a_finite_loss_past_the_divergence_factor_stops_every_rank_and_keeps_the
 
 @pytest.mark.mpi(min_size=1)
 def test_a_loss_that_explodes_before_the_first_evaluation_stops_the_run_there(comm, shared_tmp):
-    """The first evaluation's training loss is then already past the factor, so the first step's loss, taken
-    before any update, is the reference: SMA's nesterov outer step over int8 syncs at H = 4 sat at a loss of 5e10
-    for 10 epochs, measured against a first evaluation it had already ruined."""
+    """A loss that explodes before the first evaluation inflates that evaluation's training loss, which was the
+    check's only reference, so that no later loss exceeded the factor times it; the first step's loss, taken before
+    any update, catches it at the first evaluation."""
     train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 60, seed=1)
     config = small_config(shared_tmp, eval_every=32 * comm.size, checkpoint_every=4)
