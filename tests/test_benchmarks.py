@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO
 
 COLUMNS = {
-    "faults": {"fault_at", "path", "reached", "wall_s", "lost_s", "recovery_s"},
+    "faults": {"fault_at", "path", "reached", "wall_s", "lost_s", "regain_s", "recovery_s", "step_ms"},
     "tta": {"layout", "phase", "role", "system", "k", "alpha", "b", "lr", "reached", "tta_s", "min", "max"}
     | {"epochs", "samples_per_s", "vs_ddp_best", "vs_ddp_same"},
     "stat_efficiency": {"phase", "algorithm", "aggregate", "k", "b", "lr", "alpha_rule", "alpha", "reached", "epochs"}
@@ -315,8 +315,9 @@ def test_the_faults_benchmark_runs_in_chunks_with_one_checkpoint_interval_and_ki
         clock[0] += 60
         wall = {"none": 100.0, "ulfm": 110.0, "restart": 120.0}[path] + flags["seed"]
         recovery = 0.1 if path == "ulfm" else None
+        regain = {"none": None, "ulfm": 0.5, "restart": 8.0 - flags["seed"]}[path]
         result = {"reached": True, "tta_s": wall - 5, "wall_s": wall, "iterations": 40, "recovery_s": recovery}
-        return {"path": path, "fault_at": flags.get("fault_at"), **result}
+        return {"path": path, "fault_at": flags.get("fault_at"), **result, "regain_s": regain}
 
     def chunk(budget_s):
         store = harness.PointStore(tmp_path / "faults.jsonl", "faults", budget_s, runner, lambda: clock[0])
@@ -332,6 +333,28 @@ def test_the_faults_benchmark_runs_in_chunks_with_one_checkpoint_interval_and_ki
         ("restart", 20),
     ]
     assert [(row["path"], row["lost_s"]) for row in whole.rows] == [("none", None), ("ulfm", 10.0), ("restart", 20.0)]
+    assert [row["regain_s"] for row in whole.rows] == [None, 0.5, 6.5]
+    assert whole.goals["recovery"]["met"] and whole.goals["regain below restart"] == {
+        "pairs": 2,
+        "ulfm_ahead": 2,
+        "met": True,
+    }
+
+
+def test_a_faults_regain_runs_from_the_kill_to_the_first_step_back_at_its_samples_and_misses_without_stamps():
+    from benchmarks import faults
+
+    ulfm = [(9, 80, 100.0), (10, 90, 101.0), (10, 90, 101.7), (11, 100, 101.8)]  # step 10 dropped, taken again
+    restart = [(9, 80, 100.0), (10, 90, 101.0), (6, 50, 110.0), (7, 56, 110.5), (12, 86, 113.0), (13, 92, 113.5)]
+    assert faults.regain_s(ulfm, 10) == pytest.approx(0.7)
+    assert faults.regain_s(restart, 10) == pytest.approx(12.5)
+    assert faults.regain_s(restart[:5], 10) is None and faults.regain_s(ulfm, 20) is None
+    assert faults.step_ms(ulfm, 10) == pytest.approx(1000) and faults.step_ms(ulfm, None) == pytest.approx(900)
+    assert faults.step_ms(ulfm[:1], None) is None
+    pair = [{"seed": 1, "fault_at": 0.5, "path": "ulfm", "recovery_s": 0.1, "regain_s": 9.0}]
+    pair.append({"seed": 1, "fault_at": 0.5, "path": "restart", "recovery_s": None, "regain_s": 6.0})
+    found = faults.goals(pair)
+    assert found["recovery"]["met"] is False and found["regain below restart"]["met"] is False
 
 
 def fake_slow_links(clock: list[float], calls: list, seconds: float):

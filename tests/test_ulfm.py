@@ -81,6 +81,16 @@ def test_rollback_holds_the_last_two_steps():
     assert off.newest() == -1
 
 
+def test_a_step_stamp_is_a_line_on_rank_0_only_when_asked(tmp_path):
+    stamps = tmp_path / "stamps"
+    ulfm.stamp_step(3, 96, environ={})
+    assert not stamps.exists()
+    ulfm.stamp_step(3, 96, environ={ulfm.STAMPS_VARIABLE: str(stamps)})
+    ulfm.stamp_step(4, 128, environ={ulfm.STAMPS_VARIABLE: str(stamps)})
+    lines = [line.split() for line in stamps.read_text().splitlines()]
+    assert [line[:2] for line in lines] == [["3", "96"], ["4", "128"]] and float(lines[0][2]) <= float(lines[1][2])
+
+
 @pytest.mark.mpi(min_size=1)
 def test_eager_keeps_the_gradients_no_round_carried_yet_and_a_restore_lands_them_in_the_first_round(comm):
     steps, late = 6, comm.size - 1

@@ -1,6 +1,6 @@
 """Surviving a lost rank with ULFM (User-Level Failure Mitigation, the MPI Forum's fault-tolerance proposal that
 Open MPI 5 implements under `mpirun --with-ft ulfm`): tell a rank loss from other MPI errors, revoke the scopes,
-shrink the world to its survivors, and the test-only kill injection."""
+shrink the world to its survivors, and the test-only kill injection and step stamps."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import copy
 import hashlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,9 @@ with --resume, which reshards to the ranks it is given (75 is also the code of a
 KILL_VARIABLE = "CROSSBOW_KILL_AT"
 """Test-only fault injection: `R:I[,R:I…]` makes COMM_WORLD rank R SIGKILL itself before iteration I; `R:I:S`, in
 iteration I (an asynchronous algorithm's round) after its S-th local step there (its update applied)."""
+STAMPS_VARIABLE = "CROSSBOW_STEP_STAMPS"
+"""Benchmark-only: a file to which COMM_WORLD rank 0 appends `iteration samples unix-seconds` before each step, so
+that benchmarks/faults.py can tell how long a fault kept a run from the progress it had made."""
 
 _rank: int | None = None
 """This process's rank among the survivors, once the world was shrunk."""
@@ -101,6 +105,14 @@ def inject_kill(iteration: int, step: int = 0, environ=os.environ) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def stamp_step(iteration: int, samples: int, environ=os.environ) -> None:
+    """On COMM_WORLD rank 0, append this step's line to the file `CROSSBOW_STEP_STAMPS` names, if any."""
+    path = environ.get(STAMPS_VARIABLE)
+    if path and process.mpi().COMM_WORLD.Get_rank() == 0:
+        with open(path, "a") as stamps:
+            stamps.write(f"{iteration} {samples} {time.time():.6f}\n")
+
+
 class Rollback:
     """Copies of the run's state before its last two steps (when `enabled`). A collective can complete on some
     survivors and fail on others, so survivors may be one step apart: the newest step that every survivor holds
@@ -110,13 +122,14 @@ class Rollback:
         self.enabled = enabled
         self.snapshots: dict[int, dict] = {}
 
-    def before_step(self, iteration: int, snapshot: Callable[[], dict]) -> None:
+    def before_step(self, iteration: int, snapshot: Callable[[], dict], samples: int = 0) -> None:
         """When enabled, keep `snapshot()`, the state before this iteration's step (sharing nothing with the live
-        run: `Run.detached_snapshot`), and the one before it; then inject the test's kill, if any (also when not
-        enabled: benchmarks/faults.py kills aborting runs)."""
+        run: `Run.detached_snapshot`), and the one before it; then stamp the step (`samples`: trained on so far)
+        and inject the test's kill, if any (both also when not enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled:
             self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
             self.snapshots[iteration] = snapshot()
+        stamp_step(iteration, samples)
         inject_kill(iteration)
 
     def newest(self) -> int:

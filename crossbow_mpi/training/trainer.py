@@ -359,7 +359,7 @@ class Trainer:
             lr, dropped = c.schedule.step_lr(run)
             if dropped:
                 c.tuning.on_lr_drop(run)
-            rollback.before_step(state.iteration, run.detached_snapshot)
+            rollback.before_step(state.iteration, run.detached_snapshot, state.samples)
             step = run.train_step(lr)
             c.divergence.after_step(run, step)
             stop = c.stopping.poll()
