@@ -102,13 +102,18 @@ def run_path(path: str, ranks: int, flags: dict, timeout: float) -> dict:
     }
 
 
+def at_kill(stamps: list[tuple[int, int, float]], kill_at: int) -> int | None:
+    """The index of the first stamp before iteration `kill_at`, where the kill struck (None: the run has none)."""
+    return next((i for i, (iteration, _, _) in enumerate(stamps) if iteration == kill_at), None)
+
+
 def step_ms(stamps: list[tuple[int, int, float]], kill_at: int | None) -> float | None:
     """Milliseconds a step took on P ranks (evaluations and checkpoints included), from the first stamp to the
-    kill's or, without a kill, to the last (None: fewer than two stamps)."""
-    end = len(stamps) if kill_at is None else next((i + 1 for i, stamp in enumerate(stamps) if stamp[0] == kill_at), 0)
-    if end < 2:
+    kill's or, without a kill, to the last (None: fewer than two stamps up to there)."""
+    end = len(stamps) - 1 if kill_at is None else at_kill(stamps, kill_at)
+    if end is None or end < 1:
         return None
-    (first, _, started), (last, _, ended) = stamps[0], stamps[end - 1]
+    (first, _, started), (last, _, ended) = stamps[0], stamps[end]
     return 1000 * (ended - started) / (last - first)
 
 
@@ -116,7 +121,7 @@ def regain_s(stamps: list[tuple[int, int, float]], kill_at: int) -> float | None
     """Seconds from the kill (rank 0's stamp before iteration `kill_at`) until a later stamp with as many samples
     trained on as then, or more (None: no stamp at the kill, or the run ended first); `stamps` are (iteration,
     samples, unix seconds)."""
-    first = next((i for i, (iteration, _, _) in enumerate(stamps) if iteration == kill_at), None)
+    first = at_kill(stamps, kill_at)
     if first is None:
         return None
     _, samples, killed = stamps[first]
@@ -166,17 +171,12 @@ def rows(runs: list[dict]) -> list[dict]:
                 "reached": sum(r["reached"] for r in mine),
                 "wall_s": wall,
                 "lost_s": None if path == "none" else wall - none,
-                "regain_s": harness.median(measured(mine, "regain_s")),
-                "recovery_s": harness.median(measured(mine, "recovery_s")),
-                "step_ms": harness.median(measured(mine, "step_ms")),
+                "regain_s": harness.median_of(mine, "regain_s"),
+                "recovery_s": harness.median_of(mine, "recovery_s"),
+                "step_ms": harness.median_of(mine, "step_ms"),
             }
         )
     return table
-
-
-def measured(runs: list[dict], key: str) -> list[float]:
-    """The runs' `key`, where measured (runs stored before a measure existed lack it)."""
-    return [run[key] for run in runs if run.get(key) is not None]
 
 
 def goals(runs: list[dict]) -> dict:
