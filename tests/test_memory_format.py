@@ -13,6 +13,7 @@ from crossbow_mpi.replicas.flat import FlatLayout
 from crossbow_mpi.replicas.formats import choose_channels_last
 from crossbow_mpi.replicas.learners import CentralModel, Learners
 from crossbow_mpi.replicas.optimizers import adamw
+from crossbow_mpi.runtime import ulfm
 from crossbow_mpi.training.checkpoint import list_checkpoints
 
 from helpers import metrics_records, mlp, resume_config
@@ -134,3 +135,33 @@ def test_optimizer_state_is_checkpointed_in_the_weights_contiguous_order():
     assert not torch.equal(state["optimizer"]["exp_avg"], learners.params), "the conv weights are reordered"
     learners.load_state_dict(state, learners.central.z)
     assert torch.equal(learners.optimizers.state["exp_avg"], learners.params)
+
+
+@pytest.mark.parametrize("shares_z", [False, True])
+def test_a_physical_snapshot_restores_a_channels_last_state_as_it_was(shares_z):
+    torch.manual_seed(0)
+    model = convnet()
+    layout = FlatLayout(model, channels_last=True)
+    central = CentralModel(model, layout)
+    learners = Learners(convnet, layout, central, 2)
+    if shares_z:
+        learners.share_z(True)
+    else:
+        learners.use_optimizer(adamw(0.9, 0.999, 1e-8, 0.0))
+        learners.optimizers.state = {"exp_avg": torch.randn_like(learners.params)}  # type: ignore[union-attr]
+    for tensor in (central.z, central.u, learners.weights):
+        tensor.normal_()
+    parts = (central, learners)
+    before = [ulfm.copy_state(part.state_dict()) for part in parts]  # contiguous order, as a checkpoint's
+    kept = [ulfm.copy_state(part.state_dict(physical=True)) for part in parts]
+    for tensor in (central.z, central.u, learners.weights):
+        tensor.add_(1)
+    central.load_state_dict(kept[0], physical=True)
+    learners.load_state_dict(kept[1], central.z, physical=True)
+    after = [part.state_dict() for part in parts]
+    for old, new in zip(before, after, strict=True):
+        assert old.keys() == new.keys()
+        assert all(torch.equal(old[key], new[key]) for key in old if isinstance(old[key], torch.Tensor))
+    assert learners.optimizers is None or torch.equal(
+        before[1]["optimizer"]["exp_avg"], after[1]["optimizer"]["exp_avg"]
+    )

@@ -42,12 +42,13 @@ def state_bits(run) -> list[torch.Tensor]:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("algorithm", ["sma", "ssgd"])
-def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm):
+@pytest.mark.parametrize("kept", ["state_dict", "detached_snapshot"])
+def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm, kept):
     train, _ = snapshot_datasets()
     run = Trainer(snapshot_config(shared_tmp, algorithm=algorithm), comm).start(snapshot_mlp, train)
     for _ in range(3):
         run.train_step(0.05)
-    snapshot = run.state_dict()
+    snapshot = getattr(run, kept)()
     runs = []
     for _ in range(2):
         run.load_state_dict(snapshot)
@@ -59,6 +60,7 @@ def test_restoring_a_snapshot_replays_the_same_bits(comm, shared_tmp, algorithm)
     assert first_state == second_state and first_state["iteration"] == 23
     assert torch.equal(first_rng, second_rng)
     assert not torch.equal(first[0], snapshot["central"]["z"]), "the 20 steps changed nothing"
+    assert snapshot.get("physical", False) == (kept == "detached_snapshot")
 
 
 def same_state(a, b) -> bool:
@@ -90,11 +92,13 @@ def test_a_detached_snapshot_shares_nothing_that_training_changes(comm, shared_t
     run = Trainer(cfg, comm).start(snapshot_mlp, train)
     for _ in range(3):
         run.train_step(0.05)
-    detached, copied = run.detached_snapshot(), ulfm.copy_state(run.snapshot())
+    detached, copied = run.detached_snapshot(), ulfm.copy_state(run.snapshot(physical=True))
+    recycled = run.detached_snapshot(ulfm.copy_state(detached))
     for _ in range(3):
         run.train_step(0.05)
     assert same_state(detached, copied), "a step changed a part of the snapshot that was not copied"
-    assert not same_state(run.snapshot()["central"], copied["central"]), "the 3 steps changed nothing"
+    assert same_state(recycled, copied), "a step changed a part of the snapshot copied into a dropped one"
+    assert not same_state(run.snapshot(physical=True)["central"], copied["central"]), "the 3 steps changed nothing"
 
 
 @pytest.mark.mpi(min_size=1)

@@ -69,15 +69,23 @@ def test_min_ranks_above_the_jobs_ranks_is_refused(comm, shared_tmp):
         Trainer(Config(run_dir=str(shared_tmp), min_ranks=99), comm)
 
 
-def test_rollback_holds_the_last_two_steps():
-    rollback, state = ulfm.Rollback(True), {"x": [0]}
-    for iteration in range(4):
+def test_rollback_holds_the_last_two_steps_in_the_dropped_ones_tensors_and_hands_out_copies():
+    rollback, state = ulfm.Rollback(True), {"x": [0], "t": torch.zeros(3), "views": [torch.zeros(2)]}
+    places = []
+    for iteration in range(5):
         state["x"][0] = iteration
-        rollback.before_step(iteration, lambda: ulfm.copy_state(state))
-    assert sorted(rollback.snapshots) == [2, 3] and rollback.newest() == 3
-    assert rollback.at(2)["x"] == [2]
+        state["t"].fill_(iteration)
+        rollback.before_step(iteration, lambda into: ulfm.copy_state(state, into))
+        places.append(rollback.snapshots[iteration]["t"].data_ptr())
+    assert sorted(rollback.snapshots) == [3, 4] and rollback.newest() == 4
+    assert places[2] == places[0] and places[3] == places[1] and places[0] != places[1]
+    restored = rollback.at(3)
+    assert restored["x"] == [3] and restored["t"].tolist() == [3.0] * 3
+    restored["t"].fill_(9)
+    assert rollback.at(3)["t"].tolist() == [3.0] * 3, "a restore's copy shares a tensor with the one kept"
+    assert rollback.snapshots[3]["views"][0].data_ptr() != state["views"][0].data_ptr()
     off = ulfm.Rollback(False)
-    off.before_step(0, lambda: state)
+    off.before_step(0, lambda into: state)
     assert off.newest() == -1
 
 

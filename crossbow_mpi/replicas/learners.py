@@ -37,22 +37,25 @@ class CentralModel:
     def buffers(self) -> torch.Tensor:
         return self.z[self.layout.num_params :]
 
-    def state_dict(self) -> dict:
-        """Return z and u (in contiguous order), z's extra state (frozen parameters and non-float buffers, as
-        bytes) and its optimizer's state where it has one."""
-        logical, extra = self.layout.to_logical, self.layout.extra_state_bytes(self.module)
+    def state_dict(self, physical: bool = False) -> dict:
+        """Return copies of z and u (in contiguous order; `physical`: z and u themselves, for a copy to restore in
+        this process), z's extra state (frozen parameters and non-float buffers, as bytes) and its optimizer's
+        state where it has one."""
+        logical, extra = _copier(self.layout, physical), self.layout.extra_state_bytes(self.module)
         state = {"z": logical(self.z.detach()), "u": logical(self.u), "extra": extra}
         if self.optimizer is None:
             return state
-        optimizer = _squeeze(self.optimizer.state_dict())
+        optimizer = _squeeze(self.optimizer.state_dict(copy=not physical))
         return {**state, "optimizer": _reorder(logical, optimizer, self.layout.num_params)}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.z.copy_(self.layout.from_logical(state["z"]))
-        self.u.copy_(self.layout.from_logical(state["u"]))
+    def load_state_dict(self, state: dict, physical: bool = False) -> None:
+        """Restore `state_dict(physical)`."""
+        convert = _copier(self.layout, physical, restore=True)
+        self.z.copy_(convert(state["z"]))
+        self.u.copy_(convert(state["u"]))
         self.layout.load_extra_state_bytes(self.module, state["extra"])
         if self.optimizer is not None:
-            optimizer = _reorder(self.layout.from_logical, state.get("optimizer", {}), self.layout.num_params)
+            optimizer = _reorder(convert, state.get("optimizer", {}), self.layout.num_params)
             self.optimizer.load_state_dict({name: t.unsqueeze(0) for name, t in optimizer.items()})
 
     def broadcast_extra_state(self, comm) -> None:
@@ -182,37 +185,45 @@ class Learners:
         """Move the gradients that learner j's backward passes left on its parameters into row j of `grads`."""
         take_gradients(self.trainable[j], self.grad_views[j])
 
-    def state_dict(self) -> dict:
+    def state_dict(self, physical: bool = False) -> dict:
         """Return every learner's full state vector and momentum (zero where the learners hold none), in contiguous
-        order, and its optimizer's state where it has one."""
-        weights = torch.cat([self.params, self.buffers], dim=1)
-        momentum = (
-            self.momentum if self.momentum.shape[1] else self.momentum.new_zeros((self.k, self.layout.num_params))
-        )
-        state = {"weights": self.layout.to_logical(weights, fresh=True), "momentum": self.layout.to_logical(momentum)}
+        order, and its optimizer's state where it has one. `physical`: the learners' own columns (`weights`),
+        momenta and optimizer state themselves, no more, for a copy to restore in this process."""
+        if physical:
+            state = {"weights": self.weights, "momentum": self.momentum}
+        else:
+            weights = torch.cat([self.params, self.buffers], dim=1)
+            momentum = (
+                self.momentum if self.momentum.shape[1] else self.momentum.new_zeros((self.k, self.layout.num_params))
+            )
+            logical = self.layout.to_logical
+            state = {"weights": logical(weights, fresh=True), "momentum": logical(momentum)}
         if self.optimizers is None:
             return state
-        optimizer = self.optimizers.state_dict()
-        return {**state, "optimizer": _reorder(self.layout.to_logical, optimizer, self.layout.num_params)}
+        optimizer = self.optimizers.state_dict(copy=not physical)
+        return {**state, "optimizer": _reorder(_copier(self.layout, physical), optimizer, self.layout.num_params)}
 
-    def load_state_dict(self, state: dict | None, z: torch.Tensor) -> None:
+    def load_state_dict(self, state: dict | None, z: torch.Tensor, physical: bool = False) -> None:
         """Restore the learners that fit: learner j takes row j of the state where both exist; learners beyond the
         state's (all of them, for None) start from z with zero momentum and fresh optimizer state, and the state's
         extra rows are dropped.
-        Every learner takes z's extra state."""
+        Every learner takes z's extra state. `physical`: the state is `state_dict(physical=True)` of learners
+        that share z as these do."""
         self.take_extra_state()
         self.reset_to(z)
         self.momentum.zero_()
+        convert = _copier(self.layout, physical, restore=True)
         if self.optimizers is not None:
             optimizer = None if state is None else state.get("optimizer")
             num_params = self.layout.num_params
-            self.optimizers.load_state_dict(optimizer and _reorder(self.layout.from_logical, optimizer, num_params))
+            self.optimizers.load_state_dict(optimizer and _reorder(convert, optimizer, num_params))
         if state is None:
             return
         fit = min(self.k, len(state["weights"]))
-        self.weights[:fit] = self.layout.from_logical(state["weights"][:fit])[:, self.own_columns]
+        own = slice(None) if physical else self.own_columns
+        self.weights[:fit] = convert(state["weights"][:fit])[:, own]
         if self.momentum.shape[1]:
-            self.momentum[:fit] = self.layout.from_logical(state["momentum"][:fit])
+            self.momentum[:fit] = convert(state["momentum"][:fit])
 
     def take_extra_state(self) -> None:
         """Give every learner z's frozen parameters and non-float buffers."""
@@ -235,6 +246,14 @@ class Learners:
 def _reorder(convert: Callable, state: dict[str, torch.Tensor], num_params: int) -> dict[str, torch.Tensor]:
     """Convert each parameter-shaped tensor of an optimizer's state between the layout's and contiguous order."""
     return {name: convert(t) if t.shape[-1:] == (num_params,) else t for name, t in state.items()}
+
+
+def _copier(layout: FlatLayout, physical: bool, restore: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Copy a vector (or each row of a matrix) to or from (`restore`) contiguous order; `physical`: give it as
+    it is (its copy to restore is made from it)."""
+    if physical:
+        return lambda vectors: vectors
+    return layout.from_logical if restore else layout.to_logical
 
 
 def _squeeze(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -90,9 +90,9 @@ class RowOptimizers:
             state[name] = self.state[name][j].view(value.shape)
         self.held[j] = True
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Return the state matrices (rows without state are zeros), by name."""
-        return {name: matrix.clone() for name, matrix in self.state.items()}
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Return the state matrices (rows without state are zeros), by name: copies, or (not `copy`) themselves."""
+        return {name: matrix.clone() if copy else matrix for name, matrix in self.state.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
         """Restore the rows that fit: row j takes row j of each matrix where both exist; the other rows (all, for

@@ -51,8 +51,6 @@ class Step:
 
 ROUND_STEPS = 32
 """Global steps' samples per round of an asynchronous algorithm, unless `round_samples` says."""
-COPIED = {"central": ("z", "u"), "learners": ("weights", "momentum")}
-"""The parts of `Run.state_dict` that are copies of the live state already."""
 AUTO_FIRST = "ssgd"
 """The algorithm an `--algorithm auto` run is built with, until the optimizer switches it."""
 
@@ -269,39 +267,37 @@ class Run:
         """Return what one more learner costs this rank, measured (its activations once a step has run)."""
         return bytes_per_learner(self.learners, self.engine.activations.bytes)
 
-    def state_dict(self) -> dict:
-        """Return a snapshot of this rank's whole training state (settle and drain first)."""
-        return {
+    def state_dict(self, physical: bool = False) -> dict:
+        """Return a snapshot of this rank's whole training state (settle and drain first); `physical`: the flat
+        vectors themselves, as they are stored (`CentralModel.state_dict`, `Learners.state_dict`), for a copy to
+        restore in this process (`detached_snapshot`)."""
+        state = {
             "train": self.state.to_dict(),
             "hyperparams": self.hp.to_dict(),
-            "central": self.central.state_dict(),
-            "learners": self.learners.state_dict(),
+            "central": self.central.state_dict(physical),
+            "learners": self.learners.state_dict(physical),
             "algorithm": self.algorithm.state_dict(),
             "wire": self.algorithm.feedback.state_dict(),
             "choice": self.choice,
             "rng": process.rng_state(),
         }
+        return {**state, "physical": True} if physical else state
 
-    def snapshot(self) -> dict:
-        """Return `state_dict()`, the same z on every rank: an asynchronous algorithm's ranks settle first (collective
-        for them; the others' z is the same after every step); with eager-SGD's partial allreduce also this rank's
-        gradients that no round carried yet (`unlanded`)."""
+    def snapshot(self, physical: bool = False) -> dict:
+        """Return `state_dict(physical)`, the same z on every rank: an asynchronous algorithm's ranks settle first
+        (collective for them; the others' z is the same after every step); with eager-SGD's partial allreduce also
+        this rank's gradients that no round carried yet (`unlanded`)."""
         if self.algorithm.rounds:
             self.settle()
-        state = self.state_dict()
+        state = self.state_dict(physical)
         if isinstance(self.algorithm.transport, PartialAllreduce):
             state["unlanded"] = self.algorithm.transport.unlanded()
         return state
 
-    def detached_snapshot(self) -> dict:
-        """Return `snapshot()` sharing no tensor or list with the live run (what a rollback keeps): z, u and the
-        learners' rows are copies already (`FlatLayout.to_logical`), every other part is copied here."""
-        state = self.snapshot()
-        kept = {part: {key: state[part].pop(key) for key in keys} for part, keys in COPIED.items()}
-        state = ulfm.copy_state(state)
-        for part, tensors in kept.items():
-            state[part].update(tensors)
-        return state
+    def detached_snapshot(self, into: dict | None = None) -> dict:
+        """Return a copy of `snapshot(physical=True)` sharing no tensor or list with the live run (what a rollback
+        keeps), its tensors copied into those of `into` (a snapshot no longer needed) where they fit."""
+        return ulfm.copy_state(self.snapshot(physical=True), into)
 
     def load_state_dict(self, snapshot: dict, learners: int | None = None) -> None:
         """Restore a snapshot, resharding the learners to `learners` per rank (default: the snapshot's).
@@ -316,7 +312,8 @@ class Run:
         if isinstance(sizes, (list, tuple)) and len(sizes) != self.topology.data.size:
             del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
         self.hp.update(**hyperparams)
-        self.central.load_state_dict(snapshot["central"])
+        physical = snapshot.get("physical", False)
+        self.central.load_state_dict(snapshot["central"], physical)
         same = (snapshot.get("choice") or self.choice)["algorithm"] == self.algorithm.name
         if not same:
             self.central.u.zero_()
@@ -324,7 +321,7 @@ class Run:
         self.algorithm.feedback.load_state_dict(snapshot.get("wire") or {} if same else {})
         rows = snapshot["learners"] if same else None
         self.learners.resize(learners or snapshot.get("k") or len(snapshot["learners"]["weights"]), self.central.z)
-        self.learners.load_state_dict(rows, self.central.z)
+        self.learners.load_state_dict(rows, self.central.z, physical)
         if snapshot["rng"] is not None:
             process.load_rng_state(snapshot["rng"])
         if "unlanded" in snapshot:
