@@ -165,3 +165,22 @@ def test_a_physical_snapshot_restores_a_channels_last_state_as_it_was(shares_z):
     assert learners.optimizers is None or torch.equal(
         before[1]["optimizer"]["exp_avg"], after[1]["optimizer"]["exp_avg"]
     )
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_resolves_once_per_trainer_and_a_copy_restores_only_into_its_own_layout(comm, shared_tmp, monkeypatch):
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=2)
+    choices = iter([True, False])
+    monkeypatch.setattr("crossbow_mpi.training.trainer.choose_channels_last", lambda *args: next(choices))
+    trainer = Trainer(resume_config(shared_tmp, memory_format="auto"), comm)
+    first = trainer.start(convnet, train)
+    rebuilt = trainer.start(convnet, train)  # as after a rank loss: the layout the copy was taken in
+    assert first.layout.order == rebuilt.layout.order == "channels_last"
+    first.train_step(0.05)
+    rebuilt.load_state_dict(first.detached_snapshot())
+    assert torch.equal(rebuilt.central.z, first.central.z)
+    contiguous = Trainer(resume_config(shared_tmp, memory_format="contiguous"), comm).start(convnet, train)
+    with pytest.raises(ValueError, match="a copy of channels_last flat buffers restores only into the same layout"):
+        contiguous.load_state_dict(first.detached_snapshot())
+    contiguous.load_state_dict(first.state_dict())  # a checkpoint's contiguous tensors restore under either layout
+    assert torch.equal(contiguous.central.z, first.layout.to_logical(first.central.z))

@@ -93,6 +93,11 @@ class FlatLayout:
         self._logical_index: torch.Tensor | None = None
 
     @property
+    def order(self) -> str:
+        """The order of the elements of the 4-D tensors in the vector: "channels_last" or "contiguous"."""
+        return "channels_last" if self.channels_last else "contiguous"
+
+    @property
     def signature(self) -> str:
         """A digest of names and shapes; equal layouts have equal signatures."""
         slots = [(s.module, s.name, s.shape) for s in self.param_slots + self.buffer_slots]

@@ -281,7 +281,7 @@ class Run:
             "choice": self.choice,
             "rng": process.rng_state(),
         }
-        return {**state, "physical": True} if physical else state
+        return {**state, "physical": self.layout.order} if physical else state
 
     def snapshot(self, physical: bool = False) -> dict:
         """Return `state_dict(physical)`, the same z on every rank: an asynchronous algorithm's ranks settle first
@@ -312,7 +312,9 @@ class Run:
         if isinstance(sizes, (list, tuple)) and len(sizes) != self.topology.data.size:
             del hyperparams["batch_size"]  # one per rank of another number of ranks: keep this run's
         self.hp.update(**hyperparams)
-        physical = snapshot.get("physical", False)
+        physical = bool(snapshot.get("physical"))
+        if physical and snapshot["physical"] != self.layout.order:
+            raise ValueError(f"a copy of {snapshot['physical']} flat buffers restores only into the same layout")
         self.central.load_state_dict(snapshot["central"], physical)
         same = (snapshot.get("choice") or self.choice)["algorithm"] == self.algorithm.name
         if not same:

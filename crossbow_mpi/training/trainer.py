@@ -145,6 +145,9 @@ class Trainer:
         agree(world, lambda: check_engine(config.engine, self.device, config.compile))
         self.threads = process.set_threads(threads, cpu_share, announce=world.rank == 0)
         self.imbalance = agree(world, lambda: parse_imbalance(config.inject_imbalance, config.seed, world.size))
+        self.channels_last: bool | None = None
+        """Whether this Trainer's runs keep channels-last flat buffers, once its first run resolved
+        `--memory-format` (a run rebuilt on the survivors of a rank loss keeps its layout, to restore its copy)."""
         if config.pipeline_stages > 1:
             data_comm = (
                 MpiCommunicator if comm else lambda c: build_communicator(c, config.comm, self.device, config.hierarchy)
@@ -166,6 +169,8 @@ class Trainer:
     def _channels_last(self, model_fn, train_set, loss_fn) -> bool | None:
         """Resolve `memory_format` on rank 0 (`auto` times a pass of the whole model there); None on other ranks."""
         cfg = self.config
+        if self.channels_last is not None:
+            return self.channels_last
         if cfg.memory_format != "auto":
             return cfg.memory_format == "channels_last"  # without touching the data (a sampler's dataset records)
         if self.topology.world.rank != 0:
@@ -194,6 +199,7 @@ class Trainer:
         agree(world, lambda: _check_train_set(train_set, cfg, learners, self.topology.data.size))
         _check_same_datasets(world, train_set, test_set)
         channels_last = world.bcast_json(agree(world, lambda: self._channels_last(model_fn, train_set, loss_fn)))
+        self.channels_last = channels_last
         if cfg.pipeline_stages > 1:
             stage, device = self.topology.stage, self.device
             cut = agree(world, lambda: _pipeline_cut(cfg, model_fn, train_set, device) if world.rank == 0 else None)
@@ -428,7 +434,7 @@ class Trainer:
             "explicit_momentum": run.hp.momentum,
             "threads_per_rank": self.threads,
             "device": str(self.device),
-            "memory_format": "channels_last" if run.layout.channels_last else "contiguous",
+            "memory_format": run.layout.order,
             "memory_bytes": self.topology.world.allgather_json(run.memory_bytes()),
             **({"compile_s": run.engine.warmup_s} if self.config.compile else {}),
             **({"comm_bytes": record["comm_bytes"]} if "comm_bytes" in record else {}),
