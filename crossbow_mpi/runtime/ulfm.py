@@ -128,10 +128,10 @@ class Rollback:
         before it; then stamp the step (`samples`: trained on so far) and inject the test's kill, if any (both also
         when not enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled:
-            dropped = [i for i in self.snapshots if i != iteration - 1]
-            into = self.snapshots.pop(dropped[-1]) if dropped else None
-            self.snapshots = {i: s for i, s in self.snapshots.items() if i == iteration - 1}
-            self.snapshots[iteration] = snapshot(into)
+            previous = self.snapshots.pop(iteration - 1, None)
+            dropped = list(self.snapshots.values())
+            self.snapshots = {} if previous is None else {iteration - 1: previous}
+            self.snapshots[iteration] = snapshot(dropped[-1] if dropped else None)
         stamp_step(iteration, samples)
         inject_kill(iteration)
 
