@@ -51,6 +51,7 @@ POSITIVE = (
     "fragments",
     "seq_len",
     "min_ranks",
+    "rollback_every",
 )
 """Fields that must be positive (every per-rank value)."""
 NON_NEGATIVE = (
@@ -289,9 +290,14 @@ class Config:
     seconds because a rank stopped taking part (0: never)."""
     on_rank_loss: str = "abort"
     """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (every `--algorithm`
-    but `auto`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the step (an
-    asynchronous algorithm's round) in flight is dropped, the run goes on from the last one every survivor
-    completed, and a checkpoint is written."""
+    but `auto`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the survivors go
+    back to the newest copy of the state that all of them hold (`rollback_every`), drop the steps taken since (an
+    asynchronous algorithm's round in flight) and train them again, and a checkpoint is written."""
+    rollback_every: int = 8
+    """With `on_rank_loss continue`: copy the state before every this many steps (and before the first step after
+    a start, a recovery, an evaluation or a checkpoint), keeping the last two copies. A loss rolls the survivors
+    back to the newest copy all of them hold: they drop up to this many steps and train them again. 1: a copy
+    before every step, only the step in flight dropped. An asynchronous algorithm keeps one every round."""
     min_ranks: int = 1
     """With `on_rank_loss continue`: when fewer ranks survive, write a checkpoint and exit 75 (resume reshards)."""
     rank_loss_lr: str = "keep"

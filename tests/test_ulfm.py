@@ -77,7 +77,7 @@ def test_rollback_holds_the_last_two_steps_in_the_dropped_ones_tensors_and_hands
         state["t"].fill_(iteration)
         rollback.before_step(iteration, lambda into: ulfm.copy_state(state, into))
         places.append(rollback.snapshots[iteration]["t"].data_ptr())
-    assert sorted(rollback.snapshots) == [3, 4] and rollback.newest() == 4
+    assert sorted(rollback.snapshots) == [3, 4]
     assert places[2] == places[0] and places[3] == places[1] and places[0] != places[1]
     restored = rollback.at(3)
     assert restored["x"] == [3] and restored["t"].tolist() == [3.0] * 3
@@ -86,7 +86,34 @@ def test_rollback_holds_the_last_two_steps_in_the_dropped_ones_tensors_and_hands
     assert rollback.snapshots[3]["views"][0].data_ptr() != state["views"][0].data_ptr()
     off = ulfm.Rollback(False)
     off.before_step(0, lambda into: state)
-    assert off.newest() == -1
+    assert off.snapshots == {}
+
+
+class Gathered:
+    """A world whose ranks hold the given iterations' copies."""
+
+    def __init__(self, *held: list[int]) -> None:
+        self.held = held
+
+    def allgather_json(self, mine: list[int]) -> list[list[int]]:
+        return list(self.held)
+
+
+def test_rollback_every_n_steps_also_after_a_start_a_write_and_a_restore():
+    rollback, kept = ulfm.Rollback(True, every=4), []
+    for iteration in range(1, 15):
+        rollback.before_step(iteration, lambda into, i=iteration: {"i": i})
+        kept.append(max(rollback.snapshots))
+        if iteration == 5:  # an evaluation or a checkpoint after this step
+            rollback.keep_next()
+    assert kept == [1, 1, 1, 4, 4, 6, 6, 8, 8, 8, 8, 12, 12, 12]
+    assert sorted(rollback.snapshots) == [8, 12]
+    # survivors one step apart: the one in flight at 12 holds 8 and 12, the one in flight at 11 holds 4 and 8
+    assert rollback.common(Gathered([8, 12], [4, 8])) == 8
+    assert rollback.common(Gathered([8, 12], [1])) == -1
+    assert rollback.at(8) == {"i": 8} and rollback.due
+    rollback.before_step(9, lambda into: {"i": 9})  # the first step after the restore: copied, 12 dropped
+    assert sorted(rollback.snapshots) == [8, 9] and not rollback.due
 
 
 def test_a_step_stamp_is_a_line_on_rank_0_only_when_asked(tmp_path):
@@ -124,18 +151,21 @@ def test_eager_keeps_the_gradients_no_round_carried_yet_and_a_restore_lands_them
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "algorithm, extra",
-    [("sma", []), ("eager", ["--eager-mode", "solo", "--inject-imbalance", "slow-rank:2:3"])],  # 2's gradients late
+    [
+        ("sma", ["--rollback-every", "4"]),
+        ("eager", ["--rollback-every", "4", "--eager-mode", "solo", "--inject-imbalance", "slow-rank:2:3"]),  # 2 late
+    ],
 )
 def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_path, algorithm, extra):
     run_dir = tmp_path / algorithm
-    job = ulfm_job(3, "1:4", ["--run-dir", str(run_dir), "--algorithm", algorithm, *extra, *RUN])
+    job = ulfm_job(3, "1:7", ["--run-dir", str(run_dir), "--algorithm", algorithm, *extra, *RUN])
     assert job.returncode == 0, job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
     assert len(lost) == 1, lost
     at = lost[0]["iteration"]
-    # rank 1 dies before iteration 4; eager's rounds run behind its steps, so the loss may surface in the round of
-    # iteration 3, still in flight, and then that step is dropped on every survivor too
-    assert at == 4 or (algorithm == "eager" and at == 3), lost
+    # rank 1 dies before iteration 7 (eager's rounds run behind its steps, so the loss may surface in the round of
+    # iteration 6): the survivors go back to the copy before iteration 4 (--rollback-every 4) and take 4-6 again
+    assert at == 4, lost
     assert ours(job.stderr) == [f"rank(s) 1 died; going on with 2 ranks from iteration {at}"], job.stderr
     assert lost[0]["ranks"] == [1] and lost[0]["world_size"] == 2
     assert lost[0]["recovery_s"] < 10
@@ -146,10 +176,22 @@ def test_a_synchronous_run_survives_a_killed_rank_and_takes_every_sample(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_rollback_never_takes_the_run_back_behind_an_evaluation(tmp_path):
+    run_dir = tmp_path / "ssgd"
+    job = ulfm_job(3, "1:13", ["--run-dir", str(run_dir), "--algorithm", "ssgd", *RUN])  # --rollback-every 8
+    assert job.returncode == 0, job.stderr
+    evaluated = [r["iteration"] for r in records(run_dir) if "event" not in r]
+    lost = [r["iteration"] for r in records(run_dir) if r.get("event") == "rank_lost"]
+    # every 1,000 samples: the first evaluation ends iteration 10 (at 11), so the copy before 11, not before 8
+    assert evaluated[0] == 11 and lost == [11], (evaluated, lost)
+    assert len(evaluated) == len(set(evaluated)), "an evaluation recorded twice"
+
+
+@pytest.mark.slow
 def test_ssgd_loses_rank_0_then_another_below_min_ranks_and_resume_reshards(tmp_path):
     run_dir = tmp_path / "ssgd"
     args = ["--run-dir", str(run_dir), "--algorithm", "ssgd", *RUN]
-    job = ulfm_job(3, "0:3,1:6", [*args, "--min-ranks", "2", "--rank-loss-lr", "linear"])
+    job = ulfm_job(3, "0:3,1:6", [*args, "--min-ranks", "2", "--rank-loss-lr", "linear", "--rollback-every", "1"])
     assert job.returncode == ulfm.EXIT_RANK_LOST, job.stderr
     lost = [r for r in records(run_dir) if r.get("event") == "rank_lost"]
     assert [(r["ranks"], r["world_size"], r["iteration"]) for r in lost] == [([0], 2, 3), ([1], 1, 6)]

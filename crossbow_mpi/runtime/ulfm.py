@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from crossbow_mpi.runtime import process
@@ -79,14 +78,6 @@ def leader(world_rank: int) -> bool:
     return (world_rank if _rank is None else _rank) == 0
 
 
-def agree_min(comm, value: int) -> int:
-    """Return the smallest `value` of the ranks of `comm` (collective)."""
-    MPI = process.mpi()
-    buf = np.array([value], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MIN)
-    return int(buf[0])
-
-
 def digest(tensor: torch.Tensor) -> str:
     """Return the SHA-256 of a tensor's bytes."""
     return hashlib.sha256(to_bytes(tensor)).hexdigest()
@@ -114,34 +105,43 @@ def stamp_step(iteration: int, samples: int, environ=os.environ) -> None:
 
 
 class Rollback:
-    """Copies of the run's state before its last two steps (when `enabled`). A collective can complete on some
-    survivors and fail on others, so survivors may be one step apart: the newest step that every survivor holds
-    is one of these."""
+    """Copies of the run's state (when `enabled`) before every `every`-th step and before the first step after
+    `keep_next`, the last two of them. A collective can complete on some survivors and fail on others, so
+    survivors may be one step apart: the newest copy that every survivor holds is one of these."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, every: int = 1) -> None:
+        self.enabled, self.every = enabled, every
         self.snapshots: dict[int, dict] = {}
+        self.due = True
+
+    def keep_next(self) -> None:
+        """Copy the state before the next step, whatever its iteration (after records or a checkpoint were
+        written, so that a rollback never takes the run back behind them)."""
+        self.due = True
 
     def before_step(self, iteration: int, snapshot: Callable[[dict | None], dict], samples: int = 0) -> None:
-        """When enabled, keep `snapshot(into)`, the state before this iteration's step (sharing nothing with the live
-        run: `Run.detached_snapshot`; `into`: a snapshot dropped here, whose tensors it may reuse), and the one
-        before it; then stamp the step (`samples`: trained on so far) and inject the test's kill, if any (both also
-        when not enabled: benchmarks/faults.py kills aborting runs)."""
-        if self.enabled:
-            previous = self.snapshots.pop(iteration - 1, None)
-            dropped = list(self.snapshots.values())
-            self.snapshots = {} if previous is None else {iteration - 1: previous}
+        """When enabled and due, keep `snapshot(into)`, the state before this iteration's step (sharing nothing with
+        the live run: `Run.detached_snapshot`; `into`: a copy dropped here, whose tensors it may reuse), and the
+        newest copy before it; then stamp the step (`samples`: trained on so far) and inject the test's kill, if any
+        (both also when not enabled: benchmarks/faults.py kills aborting runs)."""
+        if self.enabled and (self.due or iteration % self.every == 0):
+            previous = max((i for i in self.snapshots if i < iteration), default=None)
+            dropped = [copy for i, copy in self.snapshots.items() if i != previous]
+            self.snapshots = {} if previous is None else {previous: self.snapshots[previous]}
             self.snapshots[iteration] = snapshot(dropped[-1] if dropped else None)
+            self.due = False
         stamp_step(iteration, samples)
         inject_kill(iteration)
 
-    def newest(self) -> int:
-        """Return the newest iteration held (-1: none)."""
-        return max(self.snapshots, default=-1)
+    def common(self, world) -> int:
+        """Return the newest iteration whose copy every rank of `world` holds (-1: none; collective)."""
+        held = [set(iterations) for iterations in world.allgather_json(sorted(self.snapshots))]
+        return max(set.intersection(*held), default=-1)
 
     def at(self, iteration: int) -> dict:
         """Return a copy of the state before `iteration`'s step (a restore may keep its tensors; those kept here
-        are reused)."""
+        are reused), and copy the state before the next step."""
+        self.due = True
         return copy_state(self.snapshots[iteration])
 
 

@@ -257,7 +257,8 @@ class Trainer:
         agree(world, lambda: _write_config(cfg, world.rank == 0))  # only once a --resume has restored the run
         for stale in checkpoint.remove_temporaries(cfg.run_dir) if world.rank == 0 else []:
             parts.progress.note(f"removed {stale.name}, left by a run killed while writing it")
-        rollback, clock = ulfm.Rollback(cfg.on_rank_loss == "continue"), Clock()
+        every = 1 if run.algorithm.rounds else cfg.rollback_every
+        rollback, clock = ulfm.Rollback(cfg.on_rank_loss == "continue", every), Clock()
         try:
             stop = parts.stopping.now() or parts.retuning.choose(run)  # the same outcome on every rank
             while True:
@@ -311,10 +312,11 @@ class Trainer:
         self, live: list, lost: list[int], clock: Clock, rollback: ulfm.Rollback, inputs: _Inputs, size: int
     ) -> tuple[Run, Components]:
         """Go on without the ranks that died (ULFM): revoke every scope, shrink the world to the survivors,
-        rebuild the scopes, the run and its components on them, restore the newest iteration that every survivor
-        holds (the step in flight is dropped on all of them), check that they hold the same z, record the loss
-        and write a checkpoint. `live` holds the run and its components, `lost` the ranks lost so far, `size` the
-        world's before the loss. RankLost when the run cannot go on here (exit 75)."""
+        rebuild the scopes, the run and its components on them, restore the newest copy of the state that every
+        survivor holds (the steps since, the one in flight among them, are dropped on all of them), check that
+        they hold the same z, record the loss and write a checkpoint. `live` holds the run and its components,
+        `lost` the ranks lost so far, `size` the world's before the loss. RankLost when the run cannot go on here
+        (exit 75)."""
         started, cfg, old, (run, parts) = time.perf_counter(), self.config, self.topology, live
         scopes = (old.world, old.data, old.group, old.stage, run.algorithm.transport)
         ulfm.revoke([comm for scope in scopes for comm in scope.mpi_comms()] + parts.channels())
@@ -327,7 +329,7 @@ class Trainer:
         world = MpiCommunicator(survivors)
         if cfg.pipeline_stages > 1:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died and a pipeline cannot lose a stage")
-        iteration = ulfm.agree_min(survivors, rollback.newest())
+        iteration = rollback.common(world)
         if iteration < 0:
             raise ulfm.RankLost(f"rank(s) {_names(lost)} died before the first step")
         local_rank, local_size, _ = process.node_placement(survivors, shrunk=True)
@@ -377,6 +379,7 @@ class Trainer:
             stop = c.retuning.after_step(run, clock) or stop
             evaluate, save = c.evaluation.due(run), c.checkpoints.due(state) or stop
             if evaluate or save:
+                rollback.keep_next()
                 run.settle()
                 c.divergence.check()
             if evaluate:
