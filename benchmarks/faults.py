@@ -8,8 +8,8 @@ started, so it wrote a checkpoint at every iteration and its time was inflated).
 (`CROSSBOW_KILL_AT`) at 25 %, 50 % and 75 % of the fault-free run's iterations, and the run reaches the
 target by one of two paths:
 
-- `ulfm`: `mpirun --with-ft ulfm`, `--on-rank-loss continue`: the P − 1 survivors drop the step in flight and
-  go on (one launch);
+- `ulfm`: `mpirun --with-ft ulfm`, `--on-rank-loss continue`: the P − 1 survivors go back to their newest common
+  copy of the state (`--rollback-every`, default 8 steps), drop the steps since and go on (one launch);
 - `restart`: today's path: the job ends, and `--resume` starts it again on P − 1 ranks from the last checkpoint
   (two launches, the second one's start-up and the steps since the checkpoint counted).
 
