@@ -5,7 +5,8 @@
 The nodes are network namespaces (launch/netns_nodes.sh, needs root), made for a link only while it still has runs
 to do; --quick runs on this host's loopback, without a limit. Variants: per-step SMA; SMA syncing every H steps
 with `central` and `nesterov` (DiLoCo's outer step), each with fp32, bf16 and int8 payloads (int8: per-block
-scales, error feedback; flat MPI, so every SMA variant runs `--hierarchy flat`); PyTorch's local SGD
+scales, error feedback; flat MPI, so every SMA variant runs `--hierarchy flat`), and with plain averaging (`sgd`,
+outer lr 1, momentum 0: local SGD's algorithm) and an int8 payload; PyTorch's local SGD
 (PostLocalSGDOptimizer + PeriodicModelAverager over gloo, benchmarks/ddp_peer.py) and, where the `torchft` package
 imports, torchft's DiLoCo (benchmarks/torchft_peer.py) at the same H (not in --quick); and streamed syncs
 (nesterov, bf16, 4 fragments; `--sync-delay` overlaps fp32 syncs only, and is not a variant).
@@ -62,6 +63,9 @@ class Budget:
     outers: tuple[str, ...]
     fragments: tuple[int, ...]
     """Streamed variants (nesterov, bf16): fragments F."""
+    averaged: tuple[str, ...]
+    """Payloads of SMA variants whose outer step is plain averaging (`sgd`, outer lr 1, momentum 0: the algorithm of
+    PyTorch's local SGD), at every H."""
     first: tuple[str, ...]
     """The variants each link runs first, the evidence for the goals (those that exist here)."""
     goal_link: str
@@ -84,6 +88,7 @@ FULL = Budget(
     ("fp32", "bf16", "int8"),
     ("central", "nesterov"),
     (4,),
+    ("int8",),
     GOAL_VARIANTS,
     "100mbit",
 )
@@ -98,6 +103,7 @@ QUICK = Budget(
     120,
     ("int8",),
     ("nesterov",),
+    (),
     (),
     ("sma H=1", "sma H=4 nesterov int8"),
     "host",
@@ -125,6 +131,9 @@ def variants(budget: Budget) -> dict[str, Variant]:
             for wire in budget.wires:
                 flags = {**sma, "sync_every": h, "outer_optimizer": outer, "sync_dtype": wire}
                 found[f"sma H={h} {outer} {wire}"] = Variant("crossbow", flags, h)
+        for wire in budget.averaged:
+            flags = {**sma, "sync_every": h, "outer_optimizer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0}
+            found[f"sma H={h} average {wire}"] = Variant("crossbow", {**flags, "sync_dtype": wire}, h)
         for f in budget.fragments:
             streamed = {"outer_optimizer": "nesterov", "sync_dtype": "bf16", "fragments": f}
             found[f"sma H={h} nesterov bf16 F={f}"] = Variant("crossbow", {**sma, "sync_every": h, **streamed}, h)

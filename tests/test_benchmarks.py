@@ -401,6 +401,8 @@ def test_the_slow_link_grid_runs_in_chunks_link_by_link_goal_variants_first_and_
     every = slow_link.variants(slow_link.FULL)
     first = [name for name in every if name in slow_link.FULL.first]
     assert len(first) == len(slow_link.GOAL_VARIANTS) - (not slow_link.TORCHFT) and list(every)[: len(first)] == first
+    averaged = every["sma H=4 average int8"].flags
+    assert (averaged["outer_optimizer"], averaged["outer_lr"], averaged["outer_momentum"]) == ("sgd", 1.0, 0.0)
     keys = {key for variant in every.values() for key in variant.flags}
 
     def names(made: list) -> list[str]:
