@@ -126,7 +126,7 @@ class Rollback:
         (both also when not enabled: benchmarks/faults.py kills aborting runs)."""
         if self.enabled and (self.due or iteration % self.every == 0):
             previous = max((i for i in self.snapshots if i < iteration), default=None)
-            dropped = [kept for i, kept in self.snapshots.items() if i != previous]
+            dropped = [held for i, held in self.snapshots.items() if i != previous]
             self.snapshots = {} if previous is None else {previous: self.snapshots[previous]}
             self.snapshots[iteration] = snapshot(dropped[-1] if dropped else None)
             self.due = False
