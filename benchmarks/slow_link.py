@@ -11,8 +11,8 @@ outer lr 1, momentum 0: local SGD's algorithm) and an int8 payload; PyTorch's lo
 imports, torchft's DiLoCo (benchmarks/torchft_peer.py) at the same H (not in --quick); and streamed syncs
 (nesterov, bf16, 4 fragments; `--sync-delay` overlaps fp32 syncs only, and is not a variant).
 
-Every run is kept in the point store (OUT/slow_link.points.jsonl), so the grid runs in chunks: link by link, in
-`Budget.rates` order, each link's goal variants first (`Budget.first`, the seeds interleaved), then the rest. A run
+Every run is kept in the point store (OUT/slow_link.points.jsonl), so the grid runs in chunks: the goal variants
+(`Budget.first`, the seeds interleaved) link by link in `Budget.rates` order, then the rest, link by link. A run
 stops at its first evaluation past `time_limit_s` (not reached). Rows: medians over seeds of the time to the
 target and of the bytes each rank sent per training sample (`comm_bytes`, the ring allreduce's model for every
 trainer), against per-step SMA and, for SMA at H > 1, against both peers at the same H; `goals` computes issue 35's
@@ -73,9 +73,12 @@ class Budget:
     """Whether torchft's DiLoCo is a variant where it imports (its lighthouse and managers start in about 15 s)."""
 
 
-GOAL_VARIANTS = ("sma H=1", "sma H=16 nesterov bf16", "sma H=16 nesterov int8", "sma H=16 central bf16")
+GOAL_VARIANTS = ("sma H=16 nesterov bf16", "sma H=16 nesterov int8", "sma H=16 central bf16")
 GOAL_VARIANTS += ("sma H=16 nesterov bf16 F=4", "local-sgd H=16", "torchft-diloco H=16", "sma H=16 nesterov fp32")
-"""The goals' evidence, run first at each link: fp32 SMA last, against the peers' fp32 payloads."""
+GOAL_VARIANTS += ("sma H=1",)
+"""The goals' evidence, run first at each link, in this order: fp32 SMA after the peers' fp32 payloads; per-step SMA
+last, the longest run (at 10 Mbit/s it runs to the time limit), since a point store's budget holds a new run by the
+longest of its phase so far."""
 FULL = Budget(
     ("100mbit", "1gbit", "10mbit"),
     (4, 16, 64),
@@ -189,12 +192,17 @@ class Link:
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     every = variants(budget)
-    rows, runs, missing = [], [], []
-    for rate in budget.rates:
-        mine, lacking = link_runs(options, budget, rate, every)
-        rows += link_rows(rate, every, mine)
-        runs += [{"link": rate, **run} for run in mine]
-        missing += lacking
+    first = [name for name in every if name in budget.first]
+    stages = {"goal variants": first, "the rest": [name for name in every if name not in first]}
+    found: dict[str, list[dict]] = {rate: [] for rate in budget.rates}
+    missing = []
+    for stage, names in stages.items():
+        for rate in budget.rates:
+            done, lacking = link_runs(options, budget, rate, {name: every[name] for name in names}, stage)
+            found[rate] += done
+            missing += lacking
+    rows = [row for rate in budget.rates for row in link_rows(rate, every, found[rate])]
+    runs = [{"link": rate, **run} for rate in budget.rates for run in found[rate]]
     return harness.Report(
         question=f"LeNet on {budget.dataset}, {NODES} nodes × 1 rank over a rate-limited link: time to "
         f"{budget.target_accuracy:.0%} and bytes sent per sample; medians, vs_sma = per-step SMA's time / the "
@@ -209,9 +217,8 @@ def measure(options: harness.Options) -> harness.Report:
     )
 
 
-def link_runs(options: harness.Options, budget: Budget, rate: str, every: dict[str, Variant]):
-    """One link's runs, its goal variants first, then the rest, each stage's seeds interleaved; and what the
-    store lacks of each stage."""
+def link_runs(options: harness.Options, budget: Budget, rate: str, stage: dict[str, Variant], name: str):
+    """One link's runs of one stage's variants, the seeds interleaved; and what the store lacks of them."""
     common = {
         **FLAGS,
         "dataset": budget.dataset,
@@ -220,28 +227,21 @@ def link_runs(options: harness.Options, budget: Budget, rate: str, every: dict[s
         "eval_every": budget.eval_every,
         "time_limit": budget.time_limit_s,
     }
-    first = [name for name in every if name in budget.first]
-    stages = {"goal variants": first, "the rest": [name for name in every if name not in first]}
-    runs, missing = [], []
     with tempfile.TemporaryDirectory(prefix="slow-link-") as directory:
         link = None if rate == "host" else Link(rate, Path(directory))
         launch = {} if link is None else {"wrap": link.wrap, "env": NODE_ENV}
         try:
-            for stage, names in stages.items():
-                seeded = {
-                    name: options.store.seeded(
-                        rate, every[name].trainer, NODES, {**common, **every[name].flags}, budget.timeout_s,
-                        launch=launch,
-                    )
-                    for name in names
-                }  # fmt: skip
-                done = harness.interleave(seeded, options.reps)
-                runs += done
-                missing += harness.progress(f"{rate} {stage}", done, len(names) * options.reps)
+            seeded = {
+                variant: options.store.seeded(
+                    rate, each.trainer, NODES, {**common, **each.flags}, budget.timeout_s, launch=launch
+                )
+                for variant, each in stage.items()
+            }  # fmt: skip
+            runs = harness.interleave(seeded, options.reps)
         finally:
             if link is not None:
                 link.close()
-    return runs, missing
+    return runs, harness.progress(f"{rate} {name}", runs, len(stage) * options.reps)
 
 
 def link_rows(rate: str, every: dict[str, Variant], runs: list[dict]) -> list[dict]:
