@@ -9,7 +9,8 @@ scales, error feedback; flat MPI, so every SMA variant runs `--hierarchy flat`),
 outer lr 1, momentum 0: local SGD's algorithm) and an int8 payload; PyTorch's local SGD
 (PostLocalSGDOptimizer + PeriodicModelAverager over gloo, benchmarks/ddp_peer.py) and, where the `torchft` package
 imports, torchft's DiLoCo (benchmarks/torchft_peer.py) at the same H (not in --quick); and streamed syncs
-(nesterov, bf16, 4 fragments; `--sync-delay` overlaps fp32 syncs only, and is not a variant).
+(nesterov, bf16, 4 fragments) and streamed with overlap (nesterov, fp32, 4 fragments, `--sync-delay` 1: the delay
+needs fp32 payloads) at each H where a fragment's sync spans more steps than the delay.
 
 Every run is kept in the point store (OUT/slow_link.points.jsonl), so the grid runs in chunks: the goal variants
 (`Budget.first`, the seeds interleaved) link by link in `Budget.rates` order, then the rest, link by link. A run
@@ -63,6 +64,9 @@ class Budget:
     outers: tuple[str, ...]
     fragments: tuple[int, ...]
     """Streamed variants (nesterov, bf16): fragments F."""
+    delays: tuple[int, ...]
+    """Streamed variants with overlap (nesterov, fp32, each of `fragments`): `--sync-delay` τ, at each H with
+    H / F > τ."""
     averaged: tuple[str, ...]
     """Payloads of SMA variants whose outer step is plain averaging (`sgd`, outer lr 1, momentum 0: the algorithm of
     PyTorch's local SGD), at every H."""
@@ -91,6 +95,7 @@ FULL = Budget(
     ("fp32", "bf16", "int8"),
     ("central", "nesterov"),
     (4,),
+    (1,),
     ("int8",),
     GOAL_VARIANTS,
     "100mbit",
@@ -106,6 +111,7 @@ QUICK = Budget(
     120,
     ("int8",),
     ("nesterov",),
+    (),
     (),
     (),
     ("sma H=1", "sma H=4 nesterov int8"),
@@ -140,6 +146,10 @@ def variants(budget: Budget) -> dict[str, Variant]:
         for f in budget.fragments:
             streamed = {"outer_optimizer": "nesterov", "sync_dtype": "bf16", "fragments": f}
             found[f"sma H={h} nesterov bf16 F={f}"] = Variant("crossbow", {**sma, "sync_every": h, **streamed}, h)
+            for delay in (delay for delay in budget.delays if h // f > delay):
+                overlapped = {**streamed, "sync_dtype": "fp32", "sync_delay": delay}
+                flags = {**sma, "sync_every": h, **overlapped}
+                found[f"sma H={h} nesterov fp32 F={f} delay={delay}"] = Variant("crossbow", flags, h)
         found[f"local-sgd H={h}"] = Variant("ddp", {"local_sgd_every": h}, h)
         if TORCHFT and budget.torchft:
             found[f"torchft-diloco H={h}"] = Variant("torchft", {"diloco_every": h}, h)

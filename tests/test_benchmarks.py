@@ -386,6 +386,8 @@ def test_the_slow_link_grid_runs_in_chunks_every_links_goal_variants_first_and_c
     tmp_path, monkeypatch
 ):
     from benchmarks import harness, slow_link
+    from crossbow_mpi.algorithms import ALGORITHMS
+    from crossbow_mpi.config import Config
 
     scripts = []
     monkeypatch.setattr(slow_link.Link, "script", lambda self, *args: scripts.append(args[:1] + args[3:]))
@@ -403,6 +405,9 @@ def test_the_slow_link_grid_runs_in_chunks_every_links_goal_variants_first_and_c
     assert len(first) == len(slow_link.GOAL_VARIANTS) - (not slow_link.TORCHFT) and list(every)[: len(first)] == first
     averaged = every["sma H=4 average int8"].flags
     assert (averaged["outer_optimizer"], averaged["outer_lr"], averaged["outer_momentum"]) == ("sgd", 1.0, 0.0)
+    assert [name for name in every if "delay" in name] == [f"sma H={h} nesterov fp32 F=4 delay=1" for h in (16, 64)]
+    for variant in (variant for variant in every.values() if variant.trainer == "crossbow"):
+        Config.from_dict({**slow_link.FLAGS, **variant.flags}).validate(ALGORITHMS)  # the trainer takes it
     keys = {key for variant in every.values() for key in variant.flags}
 
     def names(made: list) -> list[str]:
