@@ -313,12 +313,14 @@ def mpirun(
     return done.stdout
 
 
-def run_worker(name: str, ranks: int, settings: dict, timeout: float) -> dict:
-    """Run benchmark `name`'s worker on `ranks` ranks with `settings`; return what its rank 0 returned."""
+def run_worker(name: str, ranks: int, settings: dict, timeout: float, wrap: Wrap | None = None) -> dict:
+    """Run benchmark `name`'s worker on `ranks` ranks with `settings` (the mpirun command rewritten by `wrap`);
+    return what its rank 0 returned."""
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         settings_path, result_path = Path(tmp) / "settings.json", Path(tmp) / "result.json"
         settings_path.write_text(json.dumps(settings))
-        mpirun(ranks, ["-m", f"benchmarks.{name}", "--worker", str(settings_path), str(result_path)], timeout)
+        args = ["-m", f"benchmarks.{name}", "--worker", str(settings_path), str(result_path)]
+        mpirun(ranks, args, timeout, wrap=wrap)
         return json.loads(result_path.read_text())
 
 

@@ -164,7 +164,7 @@ takes the address of the node's hostname, a loopback one, which the other node c
 
 class Link:
     """Two namespace nodes whose links are limited to `rate`, made at the first launch over them; `wrap` launches
-    an mpirun command on them."""
+    an mpirun command (`harness.mpirun`'s) on them."""
 
     def __init__(self, rate: str, directory: Path):
         self.rate, self.prefix, self.made = rate, f"cbs{os.getpid() % 100000}", False
@@ -185,13 +185,12 @@ class Link:
     def wrap(self, command: list[str]) -> list[str]:
         if not self.made:
             self.make()
-        mpirun, ranks = command[:3], command[3:4]
-        assert ranks == ["--oversubscribe"]
         network = f"{SUBNET}.0/24"
         return [
-            "bash", str(SCRIPT), "head", self.prefix, *mpirun, "--hostfile", str(self.hostfile),
+            "bash", str(SCRIPT), "head", self.prefix, command[0], "--hostfile", str(self.hostfile),
             "--mca", "plm_rsh_agent", f"{SCRIPT} rsh",
-            "--mca", "oob_tcp_if_include", network, "--mca", "btl_tcp_if_include", network, *command[4:],
+            "--mca", "oob_tcp_if_include", network, "--mca", "btl_tcp_if_include", network,
+            *(arg for arg in command[1:] if arg != "--oversubscribe"),  # a slot a node: one rank each
         ]  # fmt: skip
 
     def close(self) -> None:

@@ -42,6 +42,8 @@ COLUMNS = {
     "hybrid": {"model", "variant", "reached", "tta_s", "samples_per_s", "vs_dp"},
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
     | {"vs_local_sgd", "vs_torchft"},
+    "tcp_links": {"link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"}
+    | {"h16_samples_per_s", "h16_vs_one"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "eager_inherent": {"algorithm", "lr", "reached", "tta_s", "speedup", "samples_speedup", "ideal_speedup"}
     | {"eager_wait_ms"},
@@ -441,6 +443,26 @@ def test_the_slow_link_grid_runs_in_chunks_every_links_goal_variants_first_and_c
     scripts.clear()
     again = run(None)
     assert again.rows == whole.rows and len(calls) == len(every) * 9 and not scripts, "every run is stored"
+
+
+def test_tcp_links_launches_over_the_nodes_with_n_connections_and_bounds_by_the_rate(tmp_path, monkeypatch):
+    from benchmarks import slow_link, tcp_links
+
+    scripts = []
+    monkeypatch.setattr(slow_link.Link, "script", lambda self, *args: scripts.append(args[:1] + args[3:]))
+    monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    command = ["/x/mpirun", "-n", "2", "--oversubscribe", "/x/python", "-m", "benchmarks.tcp_links"]
+    assert tcp_links.launcher(None, 2)(command) == ["/x/mpirun", "--mca", "btl_tcp_links", "2", *command[1:]]
+    link = slow_link.Link("10mbit", tmp_path)
+    wrapped = tcp_links.launcher(link, 2)(command)
+    assert scripts == [("up", slow_link.SUBNET), ("rate", "10mbit")]
+    assert wrapped[:5] == ["bash", str(slow_link.SCRIPT), "head", link.prefix, "/x/mpirun"]
+    mpirun, at = wrapped[4:], wrapped.index("btl_tcp_links")
+    assert wrapped[at - 1 : at + 2] == ["--mca", "btl_tcp_links", "2"]
+    assert "--oversubscribe" not in mpirun and mpirun[-5:] == ["-n", "2", *command[4:]]
+    assert tcp_links.bound_s("10mbit", 431080) == 431080 * 4 * 8 / 10e6  # 2 ranks: each sends the message once
+    assert tcp_links.bound_s("1gbit", 10, ranks=4) == 10 * 4 * 8 * 1.5 / 1e9 and tcp_links.bound_s("host", 10) is None
 
 
 def test_omnivore_runs_the_auto_criterion_first_and_continues_in_order_across_chunks(tmp_path, monkeypatch):

@@ -1,0 +1,170 @@
+"""Open MPI's TCP connections per pair of ranks (`--mca btl_tcp_links N`) over a rate-limited link: the trainer's
+Allreduce of LeNet's flat state alone, and SMA's training samples/s, with 1 and 2 connections.
+
+    python -m benchmarks.tcp_links [--quick] [--reps 3] [--budget-minutes 30]
+
+2 nodes × 1 rank over the namespaces of benchmarks/slow_link.py (root, iproute2); --quick on this host's loopback,
+where the ranks share memory and N changes nothing. The Allreduce is `MpiCommunicator.allreduce_sum_` of a float32
+vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `link_share`: the
+time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the message) over the
+median time. Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a
+fraction of an epoch with one evaluation, at the end; the runs are kept in the point store under the phase
+"RATE links=N", so that the training runs in chunks (the Allreduce jobs, a minute, run every time);
+`*_vs_one`: samples/s against N = 1's.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import harness, slow_link
+
+NODES = slow_link.NODES
+TRAINED = {"per_step": "sma H=1", "h16": "sma H=16 nesterov fp32"}
+"""Each trained variant's column prefix, and its name among benchmarks/slow_link.py's variants."""
+
+
+@dataclass
+class Budget:
+    """What a mode times over which links."""
+
+    rates: tuple[str, ...]
+    """tbf rates of each node's link; "host": no namespaces, this host's loopback."""
+    links: tuple[int, ...]
+    """`btl_tcp_links` values, alternating."""
+    calls: int
+    """Timed Allreduces a job."""
+    dataset: str
+    epochs: dict[str, float]
+    """Each trained variant's epochs (by its column prefix): enough syncs for a steady samples/s."""
+    timeout_s: float
+
+
+FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900)
+QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120)
+COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"]
+COLUMNS += ["h16_samples_per_s", "h16_vs_one"]
+
+
+def worker(settings: dict) -> dict:
+    """Time `calls` Allreduces of the model's flat state on this job's ranks; return the times and its floats."""
+    import torch
+
+    from crossbow_mpi.comm import MpiCommunicator
+    from crossbow_mpi.models import build_model
+    from crossbow_mpi.replicas.flat import FlatLayout
+    from crossbow_mpi.runtime import process
+
+    comm = MpiCommunicator(process.mpi().COMM_WORLD)
+    vector = torch.ones(FlatLayout(build_model("lenet", (1, 28, 28), 10)).num_state)
+    times = []
+    for call in range(settings["calls"] + 2):
+        comm.barrier()
+        started = time.perf_counter()
+        comm.allreduce_sum_(vector)
+        if call >= 2:
+            times.append(time.perf_counter() - started)
+    return {"floats": vector.numel(), "seconds": times}
+
+
+def launcher(link: slow_link.Link | None, links: int) -> harness.Wrap:
+    """mpirun with `links` TCP connections a pair, over `link`'s nodes (None: on this host)."""
+
+    def wrap(command: list[str]) -> list[str]:
+        command = [command[0], "--mca", "btl_tcp_links", str(links), *command[1:]]
+        return command if link is None else link.wrap(command)
+
+    return wrap
+
+
+def bound_s(rate: str, floats: int, ranks: int = NODES) -> float | None:
+    """Seconds the ring allreduce of `floats` float32 values needs at the tbf `rate` (None: no limit)."""
+    found = re.fullmatch(r"(\d+)([kmg])bit", rate)
+    if found is None:
+        return None
+    bits_per_s = int(found[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[found[2]]
+    return floats * 4 * 8 * 2 * (ranks - 1) / ranks / bits_per_s
+
+
+def measure(options: harness.Options) -> harness.Report:
+    budget = QUICK if options.quick else FULL
+    rows, runs, missing = [], [], []
+    for rate in budget.rates:
+        with tempfile.TemporaryDirectory(prefix="tcp-links-") as directory:
+            link = None if rate == "host" else slow_link.Link(rate, Path(directory))
+            try:
+                timed = allreduce_runs(options, budget, link)
+                trained = training_runs(options, budget, rate, link)
+            finally:
+                if link is not None:
+                    link.close()
+        missing += harness.progress(f"{rate} training", trained, len(TRAINED) * len(budget.links) * options.reps)
+        rows += link_rows(rate, budget, timed, trained)
+        runs += [{"link": rate, **run} for run in timed + trained]
+    return harness.Report(
+        question=f"{NODES} nodes × 1 rank over a rate-limited link, Open MPI with 1 or 2 TCP connections a pair "
+        "(--mca btl_tcp_links): seconds per Allreduce of LeNet's flat state (float32), link_share = the link's "
+        "rate's time for the ring allreduce's bytes / the median; training samples/s (medians) of per-step SMA and "
+        "SMA H=16 nesterov fp32, *_vs_one = against 1 connection's",
+        columns=COLUMNS,
+        rows=rows,
+        runs=runs,
+        settings={"flags": slow_link.FLAGS, "budget": asdict(budget), "trained": TRAINED},
+        missing=missing,
+    )
+
+
+def allreduce_runs(options: harness.Options, budget: Budget, link: slow_link.Link | None) -> list[dict]:
+    """Each repetition's Allreduce job at every `links` value, the values alternating."""
+    jobs = {
+        f"links={links}": lambda rep, links=links: harness.run_worker(
+            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, wrap=launcher(link, links)
+        )
+        for links in budget.links
+    }
+    return [{"part": "allreduce", **run} for run in harness.interleave(jobs, options.reps)]
+
+
+def training_runs(options: harness.Options, budget: Budget, rate: str, link: slow_link.Link | None) -> list[dict]:
+    """Each trained variant's runs at every `links` value, from the point store or trained now, seeds interleaved."""
+    every = slow_link.variants(slow_link.FULL)
+    common = {**slow_link.FLAGS, "dataset": budget.dataset, "eval_every": harness.NEVER}
+    seeded = {
+        f"{prefix} links={links}": options.store.seeded(
+            f"{rate} links={links}",
+            every[name].trainer,
+            NODES,
+            {**common, **every[name].flags, "epochs": budget.epochs[prefix]},
+            budget.timeout_s,
+            launch={"wrap": launcher(link, links)},
+        )
+        for prefix, name in TRAINED.items()
+        for links in budget.links
+    }
+    return [{"part": "training", **run} for run in harness.interleave(seeded, options.reps)]
+
+
+def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict]) -> list[dict]:
+    """One row per `links` value over one link."""
+    rows = []
+    for links in budget.links:
+        seconds = [second for run in timed if run["variant"] == f"links={links}" for second in run["seconds"]]
+        floats = next(run["floats"] for run in timed)
+        median = statistics.median(seconds)
+        row = {"link": rate, "tcp_links": links, "allreduce_s": median}
+        row["link_share"] = harness.ratio(bound_s(rate, floats), median)
+        for prefix in TRAINED:
+            samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
+            one = harness.median(harness.column(trained, f"{prefix} links={budget.links[0]}", "samples_per_s"))
+            row |= {f"{prefix}_samples_per_s": samples, f"{prefix}_vs_one": harness.ratio(samples, one)}
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    harness.main(measure, worker)
