@@ -228,14 +228,7 @@ def measure(options: harness.Options) -> harness.Report:
 
 def link_runs(options: harness.Options, budget: Budget, rate: str, stage: dict[str, Variant], name: str):
     """One link's runs of one stage's variants, the seeds interleaved; and what the store lacks of them."""
-    common = {
-        **FLAGS,
-        "dataset": budget.dataset,
-        "target_accuracy": budget.target_accuracy,
-        "epochs": budget.epochs,
-        "eval_every": budget.eval_every,
-        "time_limit": budget.time_limit_s,
-    }
+    common = common_flags(budget)
     with tempfile.TemporaryDirectory(prefix="slow-link-") as directory:
         link = None if rate == "host" else Link(rate, Path(directory))
         launch = {} if link is None else {"wrap": link.wrap, "env": NODE_ENV}
@@ -251,6 +244,18 @@ def link_runs(options: harness.Options, budget: Budget, rate: str, stage: dict[s
             if link is not None:
                 link.close()
     return runs, harness.progress(f"{rate} {name}", runs, len(stage) * options.reps)
+
+
+def common_flags(budget: Budget) -> dict:
+    """Every variant's training flags: the model, the data, the target and how long a run may go on."""
+    return {
+        **FLAGS,
+        "dataset": budget.dataset,
+        "target_accuracy": budget.target_accuracy,
+        "epochs": budget.epochs,
+        "eval_every": budget.eval_every,
+        "time_limit": budget.time_limit_s,
+    }
 
 
 def link_rows(rate: str, every: dict[str, Variant], runs: list[dict]) -> list[dict]:

@@ -8,9 +8,10 @@ where the ranks share memory and N changes nothing. The Allreduce is `MpiCommuni
 vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `link_share`: the
 time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the message) over the
 median time. Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a
-fraction of an epoch with one evaluation, at the end; the runs are kept in the point store under the phase
-"RATE links=N", so that the training runs in chunks (the Allreduce jobs, a minute, run every time);
-`*_vs_one`: samples/s against N = 1's.
+fraction of an epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at
+`target_rates`, per-step SMA to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time /
+N's). Training runs are kept in the point store under the phase "RATE links=N", so that they run in chunks (the
+Allreduce jobs, a minute, run every time).
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ class Budget:
     epochs: dict[str, float]
     """Each trained variant's epochs (by its column prefix): enough syncs for a steady samples/s."""
     timeout_s: float
+    target_rates: tuple[str, ...]
+    """Where per-step SMA also trains to slow_link's target, with its flags (the longest runs)."""
+    target_reps: int
+    """Seeds of the runs to the target (at most --reps)."""
 
 
-FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900)
-QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120)
+FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 1)
+QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120, ("host",), 1)
 COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"]
-COLUMNS += ["h16_samples_per_s", "h16_vs_one"]
+COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
 
 
 def worker(settings: dict) -> dict:
@@ -100,17 +105,21 @@ def measure(options: harness.Options) -> harness.Report:
             try:
                 timed = allreduce_runs(options, budget, link)
                 trained = training_runs(options, budget, rate, link)
+                targets = target_runs(options, budget, rate, link)
             finally:
                 if link is not None:
                     link.close()
         missing += harness.progress(f"{rate} training", trained, len(TRAINED) * len(budget.links) * options.reps)
-        rows += link_rows(rate, budget, timed, trained)
-        runs += [{"link": rate, **run} for run in timed + trained]
+        expected = len(budget.links) * min(options.reps, budget.target_reps) * (rate in budget.target_rates)
+        missing += harness.progress(f"{rate} to the target", targets, expected)
+        rows += link_rows(rate, budget, timed, trained + targets)
+        runs += [{"link": rate, **run} for run in timed + trained + targets]
     return harness.Report(
         question=f"{NODES} nodes × 1 rank over a rate-limited link, Open MPI with 1 or 2 TCP connections a pair "
         "(--mca btl_tcp_links): seconds per Allreduce of LeNet's flat state (float32), link_share = the link's "
         "rate's time for the ring allreduce's bytes / the median; training samples/s (medians) of per-step SMA and "
-        "SMA H=16 nesterov fp32, *_vs_one = against 1 connection's",
+        "SMA H=16 nesterov fp32, *_vs_one = against 1 connection's; per-step SMA's seconds to slow_link's target, "
+        "per_step_tta_vs_one = 1 connection's / N's",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
@@ -149,6 +158,21 @@ def training_runs(options: harness.Options, budget: Budget, rate: str, link: slo
     return [{"part": "training", **run} for run in harness.interleave(seeded, options.reps)]
 
 
+def target_runs(options: harness.Options, budget: Budget, rate: str, link: slow_link.Link | None) -> list[dict]:
+    """Per-step SMA to slow_link's target with its flags at every `links` value, where `rate` is a target rate."""
+    if rate not in budget.target_rates:
+        return []
+    goal = slow_link.QUICK if options.quick else slow_link.FULL
+    flags = {**slow_link.common_flags(goal), **slow_link.variants(slow_link.FULL)[TRAINED["per_step"]].flags}
+    seeded = {
+        f"target links={links}": options.store.seeded(
+            f"{rate} links={links}", "crossbow", NODES, flags, goal.timeout_s, launch={"wrap": launcher(link, links)}
+        )
+        for links in budget.links
+    }
+    return [{"part": "target", **run} for run in harness.interleave(seeded, min(options.reps, budget.target_reps))]
+
+
 def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict]) -> list[dict]:
     """One row per `links` value over one link."""
     rows = []
@@ -162,6 +186,9 @@ def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict])
             samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
             one = harness.median(harness.column(trained, f"{prefix} links={budget.links[0]}", "samples_per_s"))
             row |= {f"{prefix}_samples_per_s": samples, f"{prefix}_vs_one": harness.ratio(samples, one)}
+        tta = harness.median(harness.column(trained, f"target links={links}", "tta_s"))
+        one = harness.median(harness.column(trained, f"target links={budget.links[0]}", "tta_s"))
+        row |= {"per_step_tta_s": tta, "per_step_tta_vs_one": harness.ratio(one, tta)}
         rows.append(row)
     return rows
 
