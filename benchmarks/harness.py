@@ -313,14 +313,16 @@ def mpirun(
     return done.stdout
 
 
-def run_worker(name: str, ranks: int, settings: dict, timeout: float, wrap: Wrap | None = None) -> dict:
-    """Run benchmark `name`'s worker on `ranks` ranks with `settings` (the mpirun command rewritten by `wrap`);
-    return what its rank 0 returned."""
+def run_worker(
+    name: str, ranks: int, settings: dict, timeout: float, wrap: Wrap | None = None, env: dict | None = None
+) -> dict:
+    """Run benchmark `name`'s worker on `ranks` ranks with `settings` (`wrap`, `env`: as `mpirun`'s); return what
+    its rank 0 returned."""
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
         settings_path, result_path = Path(tmp) / "settings.json", Path(tmp) / "result.json"
         settings_path.write_text(json.dumps(settings))
         args = ["-m", f"benchmarks.{name}", "--worker", str(settings_path), str(result_path)]
-        mpirun(ranks, args, timeout, wrap=wrap)
+        mpirun(ranks, args, timeout, env, wrap=wrap)
         return json.loads(result_path.read_text())
 
 

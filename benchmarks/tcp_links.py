@@ -1,17 +1,18 @@
-"""Open MPI's TCP connections per pair of ranks (`--mca btl_tcp_links N`) over a rate-limited link: the trainer's
+"""Open MPI's TCP connections per pair of ranks (`OMPI_MCA_btl_tcp_links=N`) over a rate-limited link: the trainer's
 Allreduce of LeNet's flat state alone, and SMA's training samples/s, with 1 and 2 connections.
 
     python -m benchmarks.tcp_links [--quick] [--reps 3] [--budget-minutes 30]
 
 2 nodes × 1 rank over the namespaces of benchmarks/slow_link.py (root, iproute2); --quick on this host's loopback,
 where the ranks share memory and N changes nothing. The Allreduce is `MpiCommunicator.allreduce_sum_` of a float32
-vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `link_share`: the
-time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the message) over the
-median time. Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a
-fraction of an epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at
-`target_rates`, per-step SMA to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time /
-N's). Training runs are kept in the point store under the phase "RATE links=N", so that they run in chunks (the
-Allreduce jobs, a minute, run every time).
+vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `allreduce_s`: the
+mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
+`link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
+message) over that mean, above 1 where tbf's 256 kB burst passes at the veth's speed. Training: slow_link's per-step
+SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a fraction of an epoch with one evaluation, at the
+end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`, per-step SMA to slow_link's target with
+slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs are kept in the point store under the
+phase "RATE links=N", so that they run in chunks (the Allreduce jobs, a minute, run every time).
 """
 
 from __future__ import annotations
@@ -77,14 +78,10 @@ def worker(settings: dict) -> dict:
     return {"floats": vector.numel(), "seconds": times}
 
 
-def launcher(link: slow_link.Link | None, links: int) -> harness.Wrap:
-    """mpirun with `links` TCP connections a pair, over `link`'s nodes (None: on this host)."""
-
-    def wrap(command: list[str]) -> list[str]:
-        command = [command[0], "--mca", "btl_tcp_links", str(links), *command[1:]]
-        return command if link is None else link.wrap(command)
-
-    return wrap
+def launch(link: slow_link.Link | None, links: int) -> dict:
+    """`harness.mpirun`'s `wrap` and `env` for `links` TCP connections a pair over `link`'s nodes (None: this host):
+    the variable a user sets (docs/clusters.md), which mpirun passes on to every rank."""
+    return {"wrap": None if link is None else link.wrap, "env": {"OMPI_MCA_btl_tcp_links": str(links)}}
 
 
 def bound_s(rate: str, floats: int, ranks: int = NODES) -> float | None:
@@ -116,10 +113,10 @@ def measure(options: harness.Options) -> harness.Report:
         runs += [{"link": rate, **run} for run in timed + trained + targets]
     return harness.Report(
         question=f"{NODES} nodes × 1 rank over a rate-limited link, Open MPI with 1 or 2 TCP connections a pair "
-        "(--mca btl_tcp_links): seconds per Allreduce of LeNet's flat state (float32), link_share = the link's "
-        "rate's time for the ring allreduce's bytes / the median; training samples/s (medians) of per-step SMA and "
-        "SMA H=16 nesterov fp32, *_vs_one = against 1 connection's; per-step SMA's seconds to slow_link's target, "
-        "per_step_tta_vs_one = 1 connection's / N's",
+        "(btl_tcp_links): mean seconds per Allreduce of LeNet's flat state (float32), link_share = the "
+        "link's rate's time for the ring allreduce's bytes / the mean; training samples/s (medians) of per-step "
+        "SMA and SMA H=16 nesterov fp32, *_vs_one = against 1 connection's; per-step SMA's seconds to slow_link's "
+        "target, per_step_tta_vs_one = 1 connection's / N's",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
@@ -132,7 +129,7 @@ def allreduce_runs(options: harness.Options, budget: Budget, link: slow_link.Lin
     """Each repetition's Allreduce job at every `links` value, the values alternating."""
     jobs = {
         f"links={links}": lambda rep, links=links: harness.run_worker(
-            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, wrap=launcher(link, links)
+            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, **launch(link, links)
         )
         for links in budget.links
     }
@@ -150,7 +147,7 @@ def training_runs(options: harness.Options, budget: Budget, rate: str, link: slo
             NODES,
             {**common, **every[name].flags, "epochs": budget.epochs[prefix]},
             budget.timeout_s,
-            launch={"wrap": launcher(link, links)},
+            launch=launch(link, links),
         )
         for prefix, name in TRAINED.items()
         for links in budget.links
@@ -166,7 +163,7 @@ def target_runs(options: harness.Options, budget: Budget, rate: str, link: slow_
     flags = {**slow_link.common_flags(goal), **slow_link.variants(slow_link.FULL)[TRAINED["per_step"]].flags}
     seeded = {
         f"target links={links}": options.store.seeded(
-            f"{rate} links={links}", "crossbow", NODES, flags, goal.timeout_s, launch={"wrap": launcher(link, links)}
+            f"{rate} links={links}", "crossbow", NODES, flags, goal.timeout_s, launch=launch(link, links)
         )
         for links in budget.links
     }
@@ -179,9 +176,9 @@ def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict])
     for links in budget.links:
         seconds = [second for run in timed if run["variant"] == f"links={links}" for second in run["seconds"]]
         floats = next(run["floats"] for run in timed)
-        median = statistics.median(seconds)
-        row = {"link": rate, "tcp_links": links, "allreduce_s": median}
-        row["link_share"] = harness.ratio(bound_s(rate, floats), median)
+        mean = statistics.fmean(seconds)
+        row = {"link": rate, "tcp_links": links, "allreduce_s": mean}
+        row["link_share"] = harness.ratio(bound_s(rate, floats), mean)
         for prefix in TRAINED:
             samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
             one = harness.median(harness.column(trained, f"{prefix} links={budget.links[0]}", "samples_per_s"))

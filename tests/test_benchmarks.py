@@ -452,15 +452,15 @@ def test_tcp_links_launches_over_the_nodes_with_n_connections_and_bounds_by_the_
     monkeypatch.setattr(slow_link.Link, "script", lambda self, *args: scripts.append(args[:1] + args[3:]))
     monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
     monkeypatch.setattr(slow_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
-    command = ["/x/mpirun", "-n", "2", "--oversubscribe", "/x/python", "-m", "benchmarks.tcp_links"]
-    assert tcp_links.launcher(None, 2)(command) == ["/x/mpirun", "--mca", "btl_tcp_links", "2", *command[1:]]
+    assert tcp_links.launch(None, 2) == {"wrap": None, "env": {"OMPI_MCA_btl_tcp_links": "2"}}
     link = slow_link.Link("10mbit", tmp_path)
-    wrapped = tcp_links.launcher(link, 2)(command)
+    launched = tcp_links.launch(link, 1)
+    assert launched["env"] == {"OMPI_MCA_btl_tcp_links": "1"} and not scripts, "the nodes are made at the first launch"
+    command = ["/x/mpirun", "-n", "2", "--oversubscribe", "/x/python", "-m", "benchmarks.tcp_links"]
+    wrapped = launched["wrap"](command)
     assert scripts == [("up", slow_link.SUBNET), ("rate", "10mbit")]
     assert wrapped[:5] == ["bash", str(slow_link.SCRIPT), "head", link.prefix, "/x/mpirun"]
-    mpirun, at = wrapped[4:], wrapped.index("btl_tcp_links")
-    assert wrapped[at - 1 : at + 2] == ["--mca", "btl_tcp_links", "2"]
-    assert "--oversubscribe" not in mpirun and mpirun[-5:] == ["-n", "2", *command[4:]]
+    assert "--oversubscribe" not in wrapped and wrapped[-5:] == ["-n", "2", *command[4:]]
     assert tcp_links.bound_s("10mbit", 431080) == 431080 * 4 * 8 / 10e6  # 2 ranks: each sends the message once
     assert tcp_links.bound_s("1gbit", 10, ranks=4) == 10 * 4 * 8 * 1.5 / 1e9 and tcp_links.bound_s("host", 10) is None
 
