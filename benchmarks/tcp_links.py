@@ -8,11 +8,12 @@ where the ranks share memory and N changes nothing. The Allreduce is `MpiCommuni
 vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `allreduce_s`: the
 mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
 `link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
-message) over that mean, above 1 where tbf's 256 kB burst passes at the veth's speed. Training: slow_link's per-step
-SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a fraction of an epoch with one evaluation, at the
-end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`, per-step SMA to slow_link's target with
-slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs are kept in the point store under the
-phase "RATE links=N", so that they run in chunks (the Allreduce jobs, a minute, run every time).
+message, `Network.ring_allreduce_s` without latency) over that mean, above 1 where tbf's 256 kB burst passes at the
+veth's speed. Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a
+fraction of an epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`,
+per-step SMA to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs
+are kept in the point store under the phase "RATE links=N", so that they run in chunks (the Allreduce jobs, a
+minute, run every time).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import harness, slow_link
+from crossbow_mpi.planner.perf_model import Network
 
 NODES = slow_link.NODES
 TRAINED = {"per_step": "sma H=1", "h16": "sma H=16 nesterov fp32"}
@@ -85,12 +87,13 @@ def launch(link: slow_link.Link | None, links: int) -> dict:
 
 
 def bound_s(rate: str, floats: int, ranks: int = NODES) -> float | None:
-    """Seconds the ring allreduce of `floats` float32 values needs at the tbf `rate` (None: no limit)."""
+    """Seconds the ring allreduce of `floats` float32 values needs at the tbf `rate`, by the planner's model without
+    latency (None: no limit)."""
     found = re.fullmatch(r"(\d+)([kmg])bit", rate)
     if found is None:
         return None
-    bits_per_s = int(found[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[found[2]]
-    return floats * 4 * 8 * 2 * (ranks - 1) / ranks / bits_per_s
+    gbit_per_s = int(found[1]) * {"k": 1e-6, "m": 1e-3, "g": 1.0}[found[2]]
+    return Network.from_link(gbit_per_s, 0).ring_allreduce_s(floats * 4, ranks)
 
 
 def measure(options: harness.Options) -> harness.Report:

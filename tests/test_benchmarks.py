@@ -462,7 +462,8 @@ def test_tcp_links_launches_over_the_nodes_with_n_connections_and_bounds_by_the_
     assert wrapped[:5] == ["bash", str(slow_link.SCRIPT), "head", link.prefix, "/x/mpirun"]
     assert "--oversubscribe" not in wrapped and wrapped[-5:] == ["-n", "2", *command[4:]]
     assert tcp_links.bound_s("10mbit", 431080) == 431080 * 4 * 8 / 10e6  # 2 ranks: each sends the message once
-    assert tcp_links.bound_s("1gbit", 10, ranks=4) == 10 * 4 * 8 * 1.5 / 1e9 and tcp_links.bound_s("host", 10) is None
+    assert tcp_links.bound_s("1gbit", 10, ranks=4) == 6 / 4 * 40 * (8 / 1e9)  # 2 (P - 1) / P of 40 bytes at 1 Gbit/s
+    assert tcp_links.bound_s("host", 10) is None
 
 
 def test_omnivore_runs_the_auto_criterion_first_and_continues_in_order_across_chunks(tmp_path, monkeypatch):
