@@ -53,7 +53,7 @@ class Budget:
     """Seeds of the runs to the target (at most --reps)."""
 
 
-FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 1)
+FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 3)
 QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120, ("host",), 1)
 COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"]
 COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
