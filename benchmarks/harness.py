@@ -161,11 +161,14 @@ def main(
     if args.quick:
         store_path.unlink(missing_ok=True)
     budget_s = None if args.budget_minutes is None else args.budget_minutes * 60
-    store = PointStore(store_path, name, budget_s, runner or train)
+    store = PointStore(store_path, name, budget_s, runner or train, phases=args.phases)
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
     started = datetime.datetime.now(datetime.UTC)
     load_before = os.getloadavg()
     report = measure(options)
+    if unknown := sorted(set(args.phases or ()) - store.asked):
+        asked = ", ".join(sorted(store.asked))
+        print(f"--phases: no run was asked in {', '.join(unknown)} (asked: {asked})", file=sys.stderr, flush=True)
     incomplete = f" INCOMPLETE: {'; '.join(report.missing)}." if report.missing else ""
     record = {
         "benchmark": name,
@@ -212,6 +215,13 @@ def _parser(name: str, full_reps: int) -> argparse.ArgumentParser:
         type=positive(float),
         default=None,
         help="start no training run that would end past this many minutes; report what the point store holds",
+    )
+    parser.add_argument(
+        "--phases",
+        type=lambda text: frozenset(text.split(",")),
+        default=None,
+        help="start training runs only in these point-store phases, comma-separated (slow_link's: its links, "
+        "e.g. 100mbit); report the others from the store",
     )
     return parser
 
@@ -438,10 +448,16 @@ class PointStore:
         budget_s: float | None = None,
         runner: Callable[..., dict] = train,
         clock: Callable[[], float] = time.monotonic,
+        phases: frozenset[str] | None = None,
     ):
+        """`phases`: where a new run may start (None: anywhere); a run of another phase is answered from the store
+        only, without spending the budget's turn."""
         self.path, self.benchmark, self.runner, self.clock = path, benchmark, runner, clock
         self.deadline = math.inf if budget_s is None else clock() + budget_s
         self.exhausted = False
+        self.phases = phases
+        self.asked: set[str] = set()
+        """Every phase a run was asked of: what --phases may name."""
         self.code = code_version()
         lines = path.read_text().splitlines() if path.exists() else []
         self.records = {self._key(record): record for record in map(json.loads, lines)}
@@ -468,6 +484,9 @@ class PointStore:
         point = {"benchmark": self.benchmark, "phase": phase, "trainer": trainer, "ranks": ranks}
         point |= {"flags": flags, "seed": seed}
         key = self._key(point)
+        self.asked.add(phase)
+        if key not in self.records and self.phases is not None and phase not in self.phases:
+            return None
         if key not in self.records:
             walls = [record["wall_s"] for record in self.records.values() if record["phase"] == phase]
             if self.exhausted or self.clock() + max(walls, default=timeout) > self.deadline:

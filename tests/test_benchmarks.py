@@ -260,6 +260,20 @@ def test_the_point_store_skips_finished_runs_and_a_budget_stops_before_a_run_it_
     assert {"date", "code", "load_average", "result"} <= record.keys()
 
 
+def test_the_point_store_starts_runs_only_in_the_phases_it_is_given_and_answers_the_others_from_its_file(tmp_path):
+    from benchmarks import harness
+
+    clock = [0.0]
+    runner, calls = fake_training(clock)
+    path = tmp_path / "p.points.jsonl"
+    harness.PointStore(path, "p", None, runner, lambda: clock[0]).train("slow", "crossbow", 2, {"lr": 1}, 1, 100)
+    store = harness.PointStore(path, "p", None, runner, lambda: clock[0], phases=frozenset({"fast"}))
+    assert store.train("slow", "crossbow", 2, {"lr": 2}, 1, 100) is None and len(calls) == 1
+    assert store.train("slow", "crossbow", 2, {"lr": 1}, 1, 100)["reached"]
+    assert store.train("fast", "crossbow", 2, {"lr": 2}, 1, 100) is not None and len(calls) == 2
+    assert store.asked == {"slow", "fast"} and not store.exhausted
+
+
 @pytest.mark.parametrize(
     "name, first_missing, limit",
     [
