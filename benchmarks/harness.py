@@ -218,12 +218,20 @@ def _parser(name: str, full_reps: int) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--phases",
-        type=lambda text: frozenset(text.split(",")),
+        type=phase_names,
         default=None,
         help="start training runs only in these point-store phases, comma-separated (slow_link's: its links, "
         "e.g. 100mbit); report the others from the store",
     )
     return parser
+
+
+def phase_names(text: str) -> frozenset[str]:
+    """An argparse type: comma-separated point-store phases, else argparse's one-line error (exit 2)."""
+    names = text.split(",")
+    if "" in names:
+        raise argparse.ArgumentTypeError(f"an empty phase name in {text!r}")
+    return frozenset(names)
 
 
 def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -480,14 +488,14 @@ class PointStore:
     ) -> dict | None:
         """The result of `train` with `flags`, `seed` and the flags of `limit` (a pruning limit, not part of the
         key), launched with the runner's keywords `launch` (`train`'s `wrap` and `env`; not part of the key): the
-        stored one, else a new run's, else None when the budget is spent."""
+        stored one, else a new run's, else None when the budget is spent or `phases` leaves `phase` out."""
         point = {"benchmark": self.benchmark, "phase": phase, "trainer": trainer, "ranks": ranks}
         point |= {"flags": flags, "seed": seed}
         key = self._key(point)
         self.asked.add(phase)
-        if key not in self.records and self.phases is not None and phase not in self.phases:
-            return None
         if key not in self.records:
+            if self.phases is not None and phase not in self.phases:
+                return None
             walls = [record["wall_s"] for record in self.records.values() if record["phase"] == phase]
             if self.exhausted or self.clock() + max(walls, default=timeout) > self.deadline:
                 self.exhausted = True

@@ -18,6 +18,12 @@ fi
 source "${CROSSBOW_VENV:-$root/.venv}/bin/activate"
 cd "$root"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1 NO_MKDOCS_2_WARNING=1
+# Open MPI's shared-memory segments (/dev/shm) and session directories (/tmp) outlive the jobs whose ranks a test
+# kills, and a later job that draws a stale one's name can crash in btl/sm or fail to start its PMIx listener
+# (seen after a day of runs on one machine): each suite run keeps them, and every test's files, in its own directory.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+export TMPDIR=$scratch OMPI_MCA_btl_sm_backing_directory=$scratch
 per_run_timeout=${CROSSBOW_TEST_TIMEOUT:-600}
 oversubscribe=()
 mpirun --version 2>/dev/null | grep -q "Open MPI" && oversubscribe=(--oversubscribe)

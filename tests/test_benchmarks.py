@@ -616,8 +616,15 @@ def test_hetero_bounds_a_slowdown_of_own_balanced_by_balanced_runs_measured_besi
     assert rows["×4"]["bound_samples_per_s"] == 6.0 * (1 + 1 / 4) / 2
 
 
-@pytest.mark.parametrize("flag", [["--reps", "0"], ["--budget-minutes", "-1"]])
-def test_a_refused_benchmark_flag_is_one_line_and_writes_nothing(flag, tmp_path):
+@pytest.mark.parametrize(
+    "flag, why",
+    [
+        (["--reps", "0"], "must be above 0"),
+        (["--budget-minutes", "-1"], "must be above 0"),
+        (["--phases", "a,"], "an empty phase name"),
+    ],
+)
+def test_a_refused_benchmark_flag_is_one_line_and_writes_nothing(flag, why, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.hetero", *flag, "--out", str(tmp_path)],
         cwd=REPO,
@@ -625,5 +632,5 @@ def test_a_refused_benchmark_flag_is_one_line_and_writes_nothing(flag, tmp_path)
         text=True,
         timeout=60,
     )
-    assert done.returncode == 2 and f"argument {flag[0]}: must be above 0" in done.stderr, done.stderr
+    assert done.returncode == 2 and f"argument {flag[0]}: {why}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
