@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -260,6 +262,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@functools.cache
 def machine() -> dict:
     """Describe the machine the numbers were measured on."""
     import torch
@@ -277,6 +280,11 @@ def machine() -> dict:
         "torch": torch.__version__,
         "mpi": mpi[0] if mpi else None,
     }
+
+
+def machine_label(described: dict | None) -> str:
+    """A `machine()` description in a few words: the CPU and its cores."""
+    return "not recorded" if described is None else f"{described['cpu']}, {described['cores']} cores"
 
 
 def code_version() -> dict:
@@ -444,9 +452,9 @@ class PointStore:
     """A benchmark's finished training runs, one JSON record a line, kept across invocations.
 
     A record is keyed by the benchmark, the phase, the trainer, the ranks, the full flag set and the seed, and keeps
-    the result with the commit, date, load average and wall time it was measured at. `train` answers a stored run
-    from the store; it starts a new one only while the budget can hold it (by the longest run of its phase so far,
-    before any by its timeout), and once one does not fit it starts no later one either, so that the next
+    the result with the commit, machine, date, load average and wall time it was measured at. `train` answers a
+    stored run from the store; it starts a new one only while the budget can hold it (by the longest run of its phase
+    so far, before any by its timeout), and once one does not fit it starts no later one either, so that the next
     invocation continues in the same order."""
 
     def __init__(
@@ -503,6 +511,7 @@ class PointStore:
             self.records[key] = self._measure(point, limit or {}, timeout, launch or {})
         record = self.records[key]
         measured = {name: record[name] for name in ("date", "code", "load_average", "wall_s")}
+        measured["machine"] = record.get("machine")
         return {**record["result"], **({"limit": record["limit"]} if record["limit"] else {}), "measured": measured}
 
     def _measure(self, point: dict, limit: dict, timeout: float, launch: dict) -> dict:
@@ -516,6 +525,7 @@ class PointStore:
             "result": result,
             "date": date.isoformat(timespec="seconds"),
             "code": self.code,
+            "machine": machine(),
             "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
             "wall_s": self.clock() - started,
         }
@@ -538,13 +548,16 @@ class PointStore:
         return lambda rep: self.train(phase, trainer, ranks, flags, first_seed + rep, timeout, launch=launch)
 
     def provenance(self) -> dict:
-        """The store's file, how many runs it holds, and the commits and dates they were measured at."""
+        """The store's file, how many runs it holds, and the commits, machines (with their runs; records older than
+        the field: "not recorded") and dates they were measured at."""
         records = self.records.values()
         dates = sorted(record["date"] for record in records)
+        machines = collections.Counter(machine_label(record.get("machine")) for record in records)
         return {
             "file": repo_path(self.path),
             "runs": len(records),
             "commits": sorted({record["code"]["commit"] or "-" for record in records}),
+            "machines": dict(sorted(machines.items())),
             "dates": [dates[0], dates[-1]] if dates else [],
         }
 

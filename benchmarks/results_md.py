@@ -33,6 +33,7 @@ def section(result: dict, base: Path) -> list[str]:
         f"{result['reps']} repetition(s), load average {load['before'][0]:.2f} before / "
         f"{load['after'][0]:.2f} after; {machine['cpu']}, {machine['cores']} cores{version}",
         "",
+        *stored_runs(result.get("points")),
     ]
     lines += [*markdown_table(result["columns"], result["rows"]), ""]
     if result.get("goals"):
@@ -45,6 +46,14 @@ def section(result: dict, base: Path) -> list[str]:
     for file in result["files"]:
         lines += [f"![{Path(file).stem}]({os.path.relpath(file, base)})", ""]
     return lines
+
+
+def stored_runs(points: dict | None) -> list[str]:
+    """Where a report's point-store runs were measured, which can differ from the machine that wrote the report."""
+    if not points or not points.get("machines"):
+        return []
+    machines = "; ".join(f"{name} ({runs})" for name, runs in points["machines"].items())
+    return [f"Its {points['runs']} stored runs (`{points['file']}`) were measured on: {machines}.", ""]
 
 
 def render(results_dir: Path, output: Path) -> str:

@@ -257,7 +257,26 @@ def test_the_point_store_skips_finished_runs_and_a_budget_stops_before_a_run_it_
     assert [run["rep"] for run in whole] == [0] * 5 + [1] * 5 and whole[:4] == second
     record = json.loads((tmp_path / "b.points.jsonl").read_text().splitlines()[0])
     assert record["flags"] == {"lr": 0} and record["seed"] == 1 and record["wall_s"] == 60
-    assert {"date", "code", "load_average", "result"} <= record.keys()
+    assert {"date", "code", "machine", "load_average", "result"} <= record.keys()
+
+
+def test_the_point_store_says_which_machine_measured_each_run_and_the_report_names_them_all(tmp_path):
+    """A benchmark run in chunks may span machines; records older than the field count as not recorded."""
+    from benchmarks import harness
+    from benchmarks.results_md import stored_runs
+
+    clock = [0.0]
+    runner, _ = fake_training(clock)
+    path = tmp_path / "m.points.jsonl"
+    harness.PointStore(path, "m", None, runner, lambda: clock[0]).train("p", "crossbow", 2, {"lr": 1}, 1, 100)
+    old = json.loads(path.read_text())
+    path.write_text(path.read_text() + json.dumps({**old, "seed": 2, "machine": None}) + "\n")
+    store = harness.PointStore(path, "m", None, runner, lambda: clock[0])
+    assert store.train("p", "crossbow", 2, {"lr": 1}, 1, 100)["measured"]["machine"] == harness.machine()
+    here = harness.machine_label(harness.machine())
+    points = store.provenance()
+    assert points["machines"] == {here: 1, "not recorded": 1}
+    assert f"{here} (1); not recorded (1)" in stored_runs(points)[0] and stored_runs({"runs": 0}) == []
 
 
 def test_the_point_store_starts_runs_only_in_the_phases_it_is_given_and_answers_the_others_from_its_file(tmp_path):
