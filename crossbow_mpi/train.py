@@ -70,6 +70,26 @@ def parse_config(argv: list[str] | None, quiet: bool = False) -> Config:
     return Config.from_dict(values)
 
 
+def refuse(err: ConfigError) -> int:
+    print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
+
+
+def check(argv: list[str]) -> int:
+    """Parse and validate `argv` as the ranks will, in this one process: 0 when they would start (help is left to
+    them), else crossbow_mpi's one line and EXIT_USER_ERROR. The launch scripts run it before the launcher, whose
+    own report of a failed job would follow that line."""
+    if {"-h", "--help"} & set(argv):
+        return 0
+    from crossbow_mpi.algorithms import ALGORITHMS
+
+    try:
+        parse_config(argv).validate(ALGORITHMS)
+    except ConfigError as err:
+        return refuse(err)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     signals.install_stop_signals()  # first: a stop signal during the imports below is a stop, not a crash
     rank, size = launched()
@@ -79,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if size > 1:  # refuse once MPI runs: a rank that left before MPI_Init could end the job before rank 0 says
             config = err  # why, and a --config file may be missing on one node only, leaving the others in MPI_Init
         else:
-            print(f"crossbow_mpi: error: {err}", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
+            return refuse(err)
     from crossbow_mpi.runtime import process, ulfm
     from crossbow_mpi.training.checkpoint import CheckpointError
     from crossbow_mpi.training.trainer import DivergenceError

@@ -20,6 +20,12 @@ stopped_by_signal() {
         awk -v skip="$2" 'NR > skip && /^\{"event": "preempted"/ { found = 1 } END { exit !found }' "$1/metrics.jsonl"
 }
 
+# Refuse bad training flags with crossbow_mpi's one line before the launcher starts any rank: after a rank's refusal
+# the launcher adds its own report of a failed job.
+check_flags() {
+    python -c 'import sys; from crossbow_mpi.train import check; sys.exit(check(sys.argv[1:]))' "$@"
+}
+
 # With CROSSBOW_FT=1 a rank that dies (a killed process) does not end the job: mpirun's flag for
 # Open MPI 5's ULFM, and the training flag that goes on with the survivors (docs/failures.md). Flags given to the
 # script come later, so they override it.

@@ -19,8 +19,10 @@ fi
 # mpirun answers SIGTERM and SIGINT by killing the ranks within half a second, too soon for a checkpoint; it
 # forwards SIGUSR1, on which every rank writes one and exits 75. So this script turns the first two into the third,
 # and runs mpirun in a session of its own, out of reach of the terminal's Ctrl-C.
+train_args=(${ft_train[@]+"${ft_train[@]}"} "$@")
+check_flags ${train_args[@]+"${train_args[@]}"} || exit $?
 setsid mpirun -n "$ranks" ${mpi_args[@]+"${mpi_args[@]}"} ${ft_mpirun[@]+"${ft_mpirun[@]}"} \
-    python -m crossbow_mpi.train ${ft_train[@]+"${ft_train[@]}"} "$@" < /dev/null &
+    python -m crossbow_mpi.train ${train_args[@]+"${train_args[@]}"} < /dev/null &
 pid=$!
 trap 'kill -USR1 "$pid" 2>/dev/null || true' TERM INT
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done

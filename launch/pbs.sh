@@ -32,13 +32,15 @@ stop_after=$(awk -F: -v margin="${CROSSBOW_STOP_MARGIN:-120}" \
 resume=()
 if has_checkpoint "$run_dir"; then resume=(--resume); fi
 before=$(record_count "$run_dir")
-read -r -a train_args <<< "${TRAIN_ARGS:-}"
+read -r -a user_args <<< "${TRAIN_ARGS:-}"
+train_args=(--device cuda --threads "$cores_per_rank" --run-dir "$run_dir"
+    ${ft_train[@]+"${ft_train[@]}"} ${resume[@]+"${resume[@]}"} ${user_args[@]+"${user_args[@]}"})
+check_flags "${train_args[@]}" || exit $?
 status=0
 timeout --preserve-status -s USR1 "$stop_after" \
     mpirun -np "$((nodes * ranks_per_node))" --hostfile "$PBS_NODEFILE" \
     --map-by "ppr:$ranks_per_node:node:PE=$cores_per_rank" --bind-to core ${ft_mpirun[@]+"${ft_mpirun[@]}"} \
-    python -m crossbow_mpi.train --device cuda --threads "$cores_per_rank" --run-dir "$run_dir" \
-    ${ft_train[@]+"${ft_train[@]}"} ${resume[@]+"${resume[@]}"} ${train_args[@]+"${train_args[@]}"} || status=$?
+    python -m crossbow_mpi.train "${train_args[@]}" || status=$?
 if stopped_by_signal "$run_dir" "$before"; then
     echo "pbs.sh: the run stopped on a signal after writing a checkpoint; submitting it again to resume"
     qsub -V -v CROSSBOW_RUN_DIR="$run_dir" launch/pbs.sh

@@ -287,6 +287,38 @@ def test_slurm_starts_one_pmix_job_with_its_cpus_and_requeues_on_the_runs_record
     assert requeue == ["scontrol", "requeue", "42"]
 
 
+@pytest.mark.parametrize("script", ["launch/local.sh", "launch/slurm.sbatch", "launch/pbs.sh"])
+def test_the_scripts_refuse_a_bad_flag_in_one_line_and_start_no_rank(batch_dir, script):
+    root, env, log = batch_dir
+    (root / "launch").unlink()
+    shutil.copytree(REPO / "launch", root / "launch")
+    (root / "launch" / "setup.sh").write_text("#!/usr/bin/env bash\n")
+    for tool in ("mpirun", "srun", "qsub"):
+        fake_tool(root / "bin", tool, "")
+    fake_tool(root / "bin", "qstat", 'echo "    Resource_List.walltime = 01:00:00"')
+    (root / "nodefile").write_text("node01\n")
+    env |= {"SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "8", "PBS_JOBID": "7.server", "PBS_O_WORKDIR": str(root)}
+    env |= {"PBS_NODEFILE": str(root / "nodefile"), "TRAIN_ARGS": "--sync-every 0"}
+    flags = [] if script.endswith("pbs.sh") else ["--sync-every", "0"]
+    job = subprocess.run(["bash", script, *flags], capture_output=True, text=True, timeout=60, cwd=root, env=env)
+    assert (job.returncode, job.stdout, job.stderr) == (
+        2,
+        "",
+        "crossbow_mpi: error: --sync-every must be positive, got 0\n",
+    )
+    assert not [call for call in calls(log) if "crossbow_mpi.train" in call]
+    assert {path.name for path in root.iterdir()} <= {"bin", "launch", "nodefile", "venv", "calls.jsonl"}
+
+
+def test_the_flag_check_passes_good_flags_leaves_help_to_the_ranks_and_refuses_an_unknown_flag(capsys):
+    from crossbow_mpi.train import check
+
+    assert check(["--help"]) == 0 and check(["--learners", "4", "--sync-every", "4"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert check(["--bogus"]) == 2
+    assert capsys.readouterr().err == "crossbow_mpi: error: unrecognized arguments: --bogus\n"
+
+
 def test_slurm_with_crossbow_ft_starts_mpirun_with_ulfm_in_the_allocation(batch_dir):
     root, _, log = batch_dir
     fake_tool(root / "bin", "mpirun", "exit 0")
