@@ -193,6 +193,15 @@ class Link:
             *(arg for arg in command[1:] if arg != "--oversubscribe"),  # a slot a node: one rank each
         ]  # fmt: skip
 
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 2}"
+
+    def on(self, node: int, command: list[str]) -> list[str]:
+        """`command` run inside node `node`'s namespace (no launcher)."""
+        if not self.made:
+            self.make()
+        return ["ip", "netns", "exec", f"{self.prefix}-{node}", *command]
+
     def close(self) -> None:
         if self.made:
             self.script("down", self.prefix, str(NODES))

@@ -9,17 +9,22 @@ vector of the model's flat state, timed `calls` times a job after two warm-ups; 
 mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
 `link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
 message, `Network.ring_allreduce_s` without latency) over that mean, above 1 where tbf's 256 kB burst passes at the
-veth's speed. Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a
-fraction of an epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`,
-per-step SMA to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs
-are kept in the point store under the phase "RATE links=N", so that they run in chunks (the Allreduce jobs, a
-minute, run every time).
+veth's speed. `socket_s`, `socket_share`: the same for plain TCP without MPI between the two nodes, the same bytes
+each way over N connections (benchmarks/socket_exchange.py), which tells Open MPI's transport from TCP over tbf.
+Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a fraction of an
+epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`, per-step SMA
+to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs are kept in
+the point store under the phase "RATE links=N", so that they run in chunks (the Allreduce jobs, a minute, run every
+time).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -55,7 +60,8 @@ class Budget:
 
 FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 3)
 QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120, ("host",), 1)
-COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"]
+COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "socket_s", "socket_share"]
+COLUMNS += ["per_step_samples_per_s", "per_step_vs_one"]
 COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
 
 
@@ -104,6 +110,7 @@ def measure(options: harness.Options) -> harness.Report:
             link = None if rate == "host" else slow_link.Link(rate, Path(directory))
             try:
                 timed = allreduce_runs(options, budget, link)
+                timed += socket_runs(options, budget, link, next(run["floats"] for run in timed) * 4)
                 trained = training_runs(options, budget, rate, link)
                 targets = target_runs(options, budget, rate, link)
             finally:
@@ -137,6 +144,45 @@ def allreduce_runs(options: harness.Options, budget: Budget, link: slow_link.Lin
         for links in budget.links
     }
     return [{"part": "allreduce", **run} for run in harness.interleave(jobs, options.reps)]
+
+
+def socket_runs(options: harness.Options, budget: Budget, link: slow_link.Link | None, size: int) -> list[dict]:
+    """Each repetition's plain-TCP exchange of `size` bytes over every `links` count of connections, alternating."""
+    jobs = {
+        f"sockets={links}": lambda rep, links=links: socket_exchange(link, links, size, budget.calls, budget.timeout_s)
+        for links in budget.links
+    }
+    return [{"part": "sockets", **run} for run in harness.interleave(jobs, options.reps)]
+
+
+def socket_exchange(link: slow_link.Link | None, sockets: int, size: int, calls: int, timeout: float) -> dict:
+    """One benchmarks/socket_exchange.py job: node 1 serves, node 0 connects (without `link`: this host's
+    loopback); the seconds of each call."""
+    host = "127.0.0.1" if link is None else link.address(1)
+    base = [sys.executable, "-m", "benchmarks.socket_exchange"]
+    counts = [str(sockets), str(size), str(calls)]
+
+    def on(node: int, command: list[str]) -> list[str]:
+        return command if link is None else link.on(node, command)
+
+    pipe = subprocess.PIPE
+    with subprocess.Popen(
+        on(1, [*base, "serve", host, *counts]), cwd=harness.REPO, stdout=pipe, stderr=pipe, text=True
+    ) as server:
+        try:
+            port = server.stdout.readline().strip() if server.stdout else ""
+            connect = on(0, [*base, "connect", f"{host}:{port}", *counts])
+            client = subprocess.run(connect, cwd=harness.REPO, capture_output=True, text=True, timeout=timeout)
+            server.wait(timeout)
+        except subprocess.TimeoutExpired as hung:
+            raise harness.BenchmarkError(f"socket_exchange ran past {timeout} s", hung=True) from hung
+        finally:
+            server.kill()
+        failed = server.returncode or client.returncode  # a server that failed first leaves the client no port
+        why = (server.stderr.read() if server.returncode and server.stderr else client.stderr).strip().splitlines()
+    if failed:
+        raise harness.BenchmarkError(f"socket_exchange failed: {why[-1] if why else f'exit {failed}'}", failed)
+    return {"seconds": json.loads(client.stdout)}
 
 
 def training_runs(options: harness.Options, budget: Budget, rate: str, link: slow_link.Link | None) -> list[dict]:
@@ -176,12 +222,12 @@ def target_runs(options: harness.Options, budget: Budget, rate: str, link: slow_
 def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict]) -> list[dict]:
     """One row per `links` value over one link."""
     rows = []
+    bound = bound_s(rate, next(run["floats"] for run in timed if "floats" in run))
     for links in budget.links:
-        seconds = [second for run in timed if run["variant"] == f"links={links}" for second in run["seconds"]]
-        floats = next(run["floats"] for run in timed)
-        mean = statistics.fmean(seconds)
-        row = {"link": rate, "tcp_links": links, "allreduce_s": mean}
-        row["link_share"] = harness.ratio(bound_s(rate, floats), mean)
+        allreduce, sockets = (mean_seconds(timed, f"{kind}={links}") for kind in ("links", "sockets"))
+        row = {"link": rate, "tcp_links": links, "allreduce_s": allreduce}
+        row |= {"link_share": harness.ratio(bound, allreduce), "socket_s": sockets}
+        row["socket_share"] = harness.ratio(bound, sockets)
         for prefix in TRAINED:
             samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
             one = harness.median(harness.column(trained, f"{prefix} links={budget.links[0]}", "samples_per_s"))
@@ -191,6 +237,11 @@ def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict])
         row |= {"per_step_tta_s": tta, "per_step_tta_vs_one": harness.ratio(one, tta)}
         rows.append(row)
     return rows
+
+
+def mean_seconds(timed: list[dict], variant: str) -> float:
+    """The mean of every timed call of one variant's jobs."""
+    return statistics.fmean(second for run in timed if run["variant"] == variant for second in run["seconds"])
 
 
 if __name__ == "__main__":

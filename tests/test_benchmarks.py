@@ -43,7 +43,7 @@ COLUMNS = {
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
     | {"vs_local_sgd", "vs_torchft"},
     "tcp_links": {"link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"}
-    | {"h16_samples_per_s", "h16_vs_one"},
+    | {"h16_samples_per_s", "h16_vs_one", "socket_s", "socket_share"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "eager_inherent": {"algorithm", "lr", "reached", "tta_s", "speedup", "samples_speedup", "ideal_speedup"}
     | {"eager_wait_ms"},
@@ -497,6 +497,16 @@ def test_tcp_links_launches_over_the_nodes_with_n_connections_and_bounds_by_the_
     assert tcp_links.bound_s("10mbit", 431080) == 431080 * 4 * 8 / 10e6  # 2 ranks: each sends the message once
     assert tcp_links.bound_s("1gbit", 10, ranks=4) == 6 / 4 * 40 * (8 / 1e9)  # 2 (P - 1) / P of 40 bytes at 1 Gbit/s
     assert tcp_links.bound_s("host", 10) is None
+    assert link.on(1, ["x"]) == ["ip", "netns", "exec", f"{link.prefix}-1", "x"] and link.address(1).endswith(".3")
+
+
+def test_the_plain_tcp_exchange_times_each_call_and_a_failed_side_is_one_line():
+    from benchmarks import harness, tcp_links
+
+    assert len(tcp_links.socket_exchange(None, 2, 100_000, 3, 60)["seconds"]) == 3
+    elsewhere = SimpleNamespace(address=lambda node: "203.0.113.1", on=lambda node, command: command)  # not ours
+    with pytest.raises(harness.BenchmarkError, match=r"socket_exchange failed: OSError: .*assign requested address"):
+        tcp_links.socket_exchange(elsewhere, 1, 10, 1, 60)
 
 
 def test_omnivore_runs_the_auto_criterion_first_and_continues_in_order_across_chunks(tmp_path, monkeypatch):
