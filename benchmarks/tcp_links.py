@@ -124,7 +124,8 @@ def measure(options: harness.Options) -> harness.Report:
     return harness.Report(
         question=f"{NODES} nodes × 1 rank over a rate-limited link, Open MPI with 1 or 2 TCP connections a pair "
         "(btl_tcp_links): mean seconds per Allreduce of LeNet's flat state (float32), link_share = the "
-        "link's rate's time for the ring allreduce's bytes / the mean; training samples/s (medians) of per-step "
+        "link's rate's time for the ring allreduce's bytes / the mean; socket_s, socket_share: the same bytes over "
+        "plain TCP between the nodes without MPI, over as many connections; training samples/s (medians) of per-step "
         "SMA and SMA H=16 nesterov fp32, *_vs_one = against 1 connection's; per-step SMA's seconds to slow_link's "
         "target, per_step_tta_vs_one = 1 connection's / N's",
         columns=COLUMNS,
