@@ -9,8 +9,9 @@ vector of the model's flat state, timed `calls` times a job after two warm-ups; 
 mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
 `link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
 message, `Network.ring_allreduce_s` without latency) over that mean, above 1 where tbf's 256 kB burst passes at the
-veth's speed. `socket_s`, `socket_share`: the same for plain TCP without MPI between the two nodes, the same bytes
-each way over N connections (benchmarks/socket_exchange.py), which tells Open MPI's transport from TCP over tbf.
+veth's speed. `rd_s`, `rd_share`: the same with Open MPI's Allreduce held to recursive doubling
+(`RECURSIVE_DOUBLING`). `socket_s`, `socket_share`: the same bytes each way over N plain TCP connections between the
+two nodes, without MPI (benchmarks/socket_exchange.py), which tells Open MPI's transport from TCP over tbf.
 Training: slow_link's per-step SMA and SMA H=16 nesterov fp32 (its flags, seed 1.. --reps) for a fraction of an
 epoch with one evaluation, at the end (`*_vs_one`: samples/s against N = 1's); and at `target_rates`, per-step SMA
 to slow_link's target with slow_link's flags (`per_step_tta_vs_one`: N = 1's time / N's). Training runs are kept in
@@ -34,6 +35,9 @@ from benchmarks import harness, slow_link
 from crossbow_mpi.planner.perf_model import Network
 
 NODES = slow_link.NODES
+RECURSIVE_DOUBLING = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "3"}
+"""Open MPI's tuned Allreduce held to recursive doubling (its algorithm 3): at 2 ranks one exchange of the whole
+message, where the ring (algorithm 4, as fast here as its default choice) makes two, with a reduction between."""
 TRAINED = {"per_step": "sma H=1", "h16": "sma H=16 nesterov fp32"}
 """Each trained variant's column prefix, and its name among benchmarks/slow_link.py's variants."""
 
@@ -60,7 +64,7 @@ class Budget:
 
 FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 3)
 QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120, ("host",), 1)
-COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "socket_s", "socket_share"]
+COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "rd_s", "rd_share", "socket_s", "socket_share"]
 COLUMNS += ["per_step_samples_per_s", "per_step_vs_one"]
 COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
 
@@ -86,10 +90,11 @@ def worker(settings: dict) -> dict:
     return {"floats": vector.numel(), "seconds": times}
 
 
-def launch(link: slow_link.Link | None, links: int) -> dict:
+def launch(link: slow_link.Link | None, links: int, env: dict | None = None) -> dict:
     """`harness.mpirun`'s `wrap` and `env` for `links` TCP connections a pair over `link`'s nodes (None: this host):
-    the variable a user sets (docs/clusters.md), which mpirun passes on to every rank."""
-    return {"wrap": None if link is None else link.wrap, "env": {"OMPI_MCA_btl_tcp_links": str(links)}}
+    the variable a user sets (docs/clusters.md), which mpirun passes on to every rank; `env`: more such variables."""
+    wrap = None if link is None else link.wrap
+    return {"wrap": wrap, "env": {"OMPI_MCA_btl_tcp_links": str(links), **(env or {})}}
 
 
 def bound_s(rate: str, floats: int, ranks: int = NODES) -> float | None:
@@ -124,7 +129,8 @@ def measure(options: harness.Options) -> harness.Report:
     return harness.Report(
         question=f"{NODES} nodes × 1 rank over a rate-limited link, Open MPI with 1 or 2 TCP connections a pair "
         "(btl_tcp_links): mean seconds per Allreduce of LeNet's flat state (float32), link_share = the "
-        "link's rate's time for the ring allreduce's bytes / the mean; socket_s, socket_share: the same bytes over "
+        "link's rate's time for the ring allreduce's bytes / the mean; rd_s, rd_share: the same with Open MPI's "
+        "Allreduce held to recursive doubling; socket_s, socket_share: the same bytes over "
         "plain TCP between the nodes without MPI, over as many connections; training samples/s (medians) of per-step "
         "SMA and SMA H=16 nesterov fp32, *_vs_one = against 1 connection's; per-step SMA's seconds to slow_link's "
         "target, per_step_tta_vs_one = 1 connection's / N's",
@@ -139,10 +145,11 @@ def measure(options: harness.Options) -> harness.Report:
 def allreduce_runs(options: harness.Options, budget: Budget, link: slow_link.Link | None) -> list[dict]:
     """Each repetition's Allreduce job at every `links` value, the values alternating."""
     jobs = {
-        f"links={links}": lambda rep, links=links: harness.run_worker(
-            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, **launch(link, links)
+        f"{name}links={links}": lambda rep, links=links, env=env: harness.run_worker(
+            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, **launch(link, links, env)
         )
         for links in budget.links
+        for name, env in (("", None), ("rd ", RECURSIVE_DOUBLING))
     }
     return [{"part": "allreduce", **run} for run in harness.interleave(jobs, options.reps)]
 
@@ -225,10 +232,11 @@ def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict])
     rows = []
     bound = bound_s(rate, next(run["floats"] for run in timed if "floats" in run))
     for links in budget.links:
-        allreduce, sockets = (mean_seconds(timed, f"{kind}={links}") for kind in ("links", "sockets"))
-        row = {"link": rate, "tcp_links": links, "allreduce_s": allreduce}
-        row |= {"link_share": harness.ratio(bound, allreduce), "socket_s": sockets}
-        row["socket_share"] = harness.ratio(bound, sockets)
+        row: dict = {"link": rate, "tcp_links": links}
+        for column, variant in (("allreduce", "links"), ("rd", "rd links"), ("socket", "sockets")):
+            mean = mean_seconds(timed, f"{variant}={links}")
+            share = "link_share" if column == "allreduce" else f"{column}_share"
+            row |= {f"{column}_s": mean, share: harness.ratio(bound, mean)}
         for prefix in TRAINED:
             samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
             one = harness.median(harness.column(trained, f"{prefix} links={budget.links[0]}", "samples_per_s"))

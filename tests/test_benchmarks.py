@@ -43,7 +43,7 @@ COLUMNS = {
     "slow_link": {"link", "variant", "reached", "tta_s", "accuracy", "comm_bytes_per_sample", "vs_sma", "fewer_bytes"}
     | {"vs_local_sgd", "vs_torchft"},
     "tcp_links": {"link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"}
-    | {"h16_samples_per_s", "h16_vs_one", "socket_s", "socket_share"},
+    | {"h16_samples_per_s", "h16_vs_one", "rd_s", "rd_share", "socket_s", "socket_share"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "eager_inherent": {"algorithm", "lr", "reached", "tta_s", "speedup", "samples_speedup", "ideal_speedup"}
     | {"eager_wait_ms"},
@@ -486,6 +486,8 @@ def test_tcp_links_launches_over_the_nodes_with_n_connections_and_bounds_by_the_
     monkeypatch.setattr(slow_link.os, "geteuid", lambda: 0)
     monkeypatch.setattr(slow_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
     assert tcp_links.launch(None, 2) == {"wrap": None, "env": {"OMPI_MCA_btl_tcp_links": "2"}}
+    held = tcp_links.launch(None, 1, tcp_links.RECURSIVE_DOUBLING)["env"]
+    assert held["OMPI_MCA_btl_tcp_links"] == "1" and held["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "3"
     link = slow_link.Link("10mbit", tmp_path)
     launched = tcp_links.launch(link, 1)
     assert launched["env"] == {"OMPI_MCA_btl_tcp_links": "1"} and not scripts, "the nodes are made at the first launch"
