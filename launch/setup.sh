@@ -80,7 +80,7 @@ elif [ -n "$cuda" ]; then
     say "note: this venv has a CUDA build of torch on a machine without a GPU"
 fi
 pip -e "${root}[$extras]"
-"$py" -c "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print('launch/setup.sh: mpi4py uses', MPI.Get_library_version().splitlines()[0])"
+"$py" -c "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print('launch/setup.sh: mpi4py uses', MPI.Get_library_version().strip('\x00 ').splitlines()[0])"
 if [ ! -f "$root/datasets/text/corpus.txt" ]; then  # --dataset text's corpus: this Python's standard-library sources
     "$py" -m crossbow_mpi.data.prepare text "$root/datasets/text"
 fi
