@@ -31,7 +31,7 @@ def section(result: dict, base: Path) -> list[str]:
         "",
         f"`{result['command']}` — {result['date']}, {result['wall_s'] / 60:.1f} min, "
         f"{result['reps']} repetition(s), load average {load['before'][0]:.2f} before / "
-        f"{load['after'][0]:.2f} after; {machine['cpu']}, {machine['cores']} cores{version}",
+        f"{load['after'][0]:.2f} after; {harness.machine_label(machine)}{version}",
         "",
         *stored_runs(result.get("points")),
     ]
