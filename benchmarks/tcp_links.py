@@ -4,8 +4,9 @@ Allreduce of LeNet's flat state alone, and SMA's training samples/s, with 1 and 
     python -m benchmarks.tcp_links [--quick] [--reps 3] [--budget-minutes 30]
 
 2 nodes × 1 rank over the namespaces of benchmarks/slow_link.py (root, iproute2); --quick on this host's loopback,
-where the ranks share memory and N changes nothing. The Allreduce is `MpiCommunicator.allreduce_sum_` of a float32
-vector of the model's flat state, timed `calls` times a job after two warm-ups; jobs alternate N. `allreduce_s`: the
+where the ranks share memory and N changes nothing. The Allreduce is Open MPI's, of a float32 vector of the model's
+flat state (what `MpiCommunicator.allreduce_sum_` called at 2 ranks before its pair exchange, benchmarks/pair_sum.py),
+timed `calls` times a job after two warm-ups; jobs alternate N. `allreduce_s`: the
 mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
 `link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
 message, `Network.ring_allreduce_s` without latency) over that mean, above 1 where tbf's 256 kB burst passes at the
@@ -78,13 +79,14 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.replicas.flat import FlatLayout
     from crossbow_mpi.runtime import process
 
-    comm = MpiCommunicator(process.mpi().COMM_WORLD)
+    MPI = process.mpi()
+    comm = MpiCommunicator(MPI.COMM_WORLD)
     vector = torch.ones(FlatLayout(build_model("lenet", (1, 28, 28), 10)).num_state)
     times = []
     for call in range(settings["calls"] + 2):
         comm.barrier()
         started = time.perf_counter()
-        comm.allreduce_sum_(vector)
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, vector.numpy())
         if call >= 2:
             times.append(time.perf_counter() - started)
     return {"floats": vector.numel(), "seconds": times}

@@ -44,6 +44,8 @@ COLUMNS = {
     | {"vs_local_sgd", "vs_torchft"},
     "tcp_links": {"link", "tcp_links", "allreduce_s", "link_share", "per_step_samples_per_s", "per_step_vs_one"}
     | {"h16_samples_per_s", "h16_vs_one", "rd_s", "rd_share", "socket_s", "socket_share"},
+    "pair_sum": {"link", "size", "floats", "mpi_s", "rd_s", "pair_s", "pair_vs_mpi", "link_share", "same_bits"}
+    | {"per_step_samples_per_s"},
     "lm": {"layout", "phase", "system", "k", "lr", "reached", "tta_s", "min", "max", "loss", "samples_per_s", "vs_ddp"},
     "eager_inherent": {"algorithm", "lr", "reached", "tta_s", "speedup", "samples_speedup", "ideal_speedup"}
     | {"eager_wait_ms"},
@@ -105,6 +107,8 @@ def test_quick_mode_writes_results(name, tmp_path):
     assert table[0].split() == result["columns"], "the table is not the last thing printed"
     if name == "stat_efficiency":
         assert (tmp_path / "stat_efficiency.png").stat().st_size > 0
+    if name == "pair_sum":
+        assert all(row["same_bits"] for row in result["rows"]), "the pair exchange's sum differs from MPI's"
     subprocess.run(
         [
             sys.executable,

@@ -37,6 +37,24 @@ def test_allreduce_sums_in_place_and_broadcast_copies_root(scope, dtype):
     assert torch.equal(mine, torch.full((7,), float(scope.size - 1), dtype=dtype))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("chunk_bytes", [None, 40])
+def test_two_ranks_sum_by_their_exchange_with_the_bits_of_mpis_allreduce(comm, monkeypatch, chunk_bytes):
+    from crossbow_mpi.comm import mpi
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(mpi, "PAIR_CHUNK_BYTES", chunk_bytes)  # 10 float32 or 5 float64 a chunk, the last one short
+    pair = comm.split(comm.rank // 2, comm.size - comm.rank)  # pairs, each in reverse order
+    for n, dtype in [(103, torch.float32), (1001, torch.float32), (7, torch.float64), (0, torch.float32)]:
+        tensor = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank), dtype=dtype) * 1e3
+        expected = tensor.clone()
+        if pair.size == 2:
+            pair.mpi_comm.Allreduce(comm.mpi().IN_PLACE, expected.numpy())
+        pair.allreduce_sum_(tensor)
+        assert tensor.dtype == dtype and torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))
+    assert pair.size == 1 or pair._pair_rooms, "the pair's sum did not take its exchange"
+
+
 @pytest.mark.mpi(min_size=1)
 def test_control_messages_travel_as_bytes_and_json(scope):
     assert scope.allgather_bytes(b"x" * scope.rank) == [b"x" * r for r in range(scope.size)]

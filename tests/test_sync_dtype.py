@@ -29,7 +29,14 @@ def everyone(comm, tensor: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", [1, 1001])
-def test_cast_sum_adds_the_cast_payloads_in_float32_and_every_rank_gets_the_same_bits(comm, dtype, numel):
+@pytest.mark.parametrize("chunk_bytes", [None, 40])
+def test_cast_sum_adds_the_cast_payloads_in_float32_and_every_rank_gets_the_same_bits(
+    comm, monkeypatch, dtype, numel, chunk_bytes
+):
+    from crossbow_mpi.comm import mpi
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(mpi, "PAIR_CHUNK_BYTES", chunk_bytes)  # two ranks' exchange in chunks of 20 values
     mine = torch.randn(numel, generator=torch.Generator().manual_seed(comm.rank)) * 3
     rows = everyone(comm, mine)
     expected = torch.stack([row.to(dtype).float() for row in rows]).sum(0).to(dtype).float()

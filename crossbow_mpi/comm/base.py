@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from crossbow_mpi.tensor_bytes import dtype_name, from_bytes, named_dtype, nbyte
 if TYPE_CHECKING:
     from crossbow_mpi.comm.int8 import Feedback
 
+T = TypeVar("T")
 POLL_MIN_S = 5e-5
 POLL_MAX_S = 1e-3
 
@@ -215,12 +217,22 @@ def wait_sleeping(requests: list, timeout: float | None = None) -> bool:
     return True
 
 
-def _test_all(requests: list, statuses: list) -> bool:
-    """`Request.Testall`, raising a failed request's own error (such as a dead peer's) instead of
+def wait_all(requests: list) -> None:
+    """`Request.Waitall`, raising a failed request's own error (such as a dead peer's) instead of
     MPI_ERR_IN_STATUS."""
+    statuses = [Communicator.mpi().Status() for _ in requests]
+    _own_error(lambda: Communicator.mpi().Request.Waitall(requests, statuses), statuses)
+
+
+def _test_all(requests: list, statuses: list) -> bool:
+    """`Request.Testall`, raising a failed request's own error as `wait_all` does."""
+    return _own_error(lambda: Communicator.mpi().Request.Testall(requests, statuses), statuses)
+
+
+def _own_error(complete: Callable[[], T], statuses: list) -> T:
     MPI = Communicator.mpi()
     try:
-        return MPI.Request.Testall(requests, statuses)
+        return complete()
     except MPI.Exception as err:
         if err.Get_error_class() != MPI.ERR_IN_STATUS:
             raise

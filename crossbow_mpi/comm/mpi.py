@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
-from crossbow_mpi.comm.base import Communicator, Reduction
+from crossbow_mpi.comm.base import Communicator, Reduction, wait_all
 from crossbow_mpi.comm.int8 import BLOCK, Feedback, dequantise
+
+PAIR_TAG = 0x05A1
+"""The tag of the two-rank sum's messages on the scope's own communicator."""
+PAIR_CHUNK_BYTES = 16 << 20
+"""The two-rank sum's message size: a larger tensor goes in chunks, the next in flight while one is added."""
 
 
 class MpiCommunicator(Communicator):
     """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
+
+    def __init__(self, mpi_comm):
+        super().__init__(mpi_comm)
+        self._pair_rooms: dict[np.dtype, np.ndarray] = {}
+        """The two-rank sum's receive buffers, two chunks of each element type."""
 
     def split(self, color: int, key: int = 0) -> MpiCommunicator:
         """Return the scope of the ranks that passed the same color, ordered by key (collective)."""
@@ -18,16 +31,25 @@ class MpiCommunicator(Communicator):
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         if self.size > 1:
             with _host_view(tensor) as host:
-                self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
+                if self.size == 2:
+                    self._pair_exchange(host.reshape(-1), _add)
+                else:
+                    self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
         return Reduction(tensor, self.size)
 
     def allreduce_cast_(self, tensor: torch.Tensor, dtype: torch.dtype) -> Reduction:
         """A ring allreduce's two halves with the payload in `dtype` on the wire: each rank receives every rank's
         cast copy of its 1/P chunk (Alltoall), sums the copies in float32 in rank order, and the cast sums are
-        gathered (Allgather); every rank ends with the same bits."""
+        gathered (Allgather); every rank ends with the same bits. Two ranks exchange their cast copies whole and
+        each sums both (`_pair_exchange`): the same bits, in one exchange."""
         if dtype == tensor.dtype or self.size == 1:
             return self.allreduce_sum_(tensor)
         p, n = self.size, tensor.numel()
+        if p == 2:
+            wire = tensor.reshape(-1).to("cpu", dtype)
+            self._pair_exchange(_bits(wire), lambda mine, theirs: _cast_add(mine, theirs, dtype))
+            tensor.copy_(wire.view(tensor.shape))
+            return Reduction(tensor, p)
         chunk = -(-n // p)
         wire = torch.zeros(p * chunk, dtype=dtype)
         wire[:n] = tensor.reshape(-1)
@@ -37,6 +59,28 @@ class MpiCommunicator(Communicator):
         self.mpi_comm.Allgather(_raw(own), _raw(wire))
         tensor.copy_(wire[:n].view(tensor.shape))
         return Reduction(tensor, self.size)
+
+    def _pair_exchange(self, flat: np.ndarray, combine: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Two ranks' reduction as one exchange of the message: each sends its `flat` and receives the other's, a
+        chunk of PAIR_CHUNK_BYTES at a time with the next in flight, and `combine(mine, theirs)` writes the result
+        into its chunk of `flat`. A combine that commutes (one IEEE addition) gives both ranks the same bits, and
+        the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.65x as long over a TCP link
+        (benchmarks/README.md, "Two ranks' sum")."""
+        step = max(1, PAIR_CHUNK_BYTES // flat.itemsize)
+        rooms = self._pair_rooms.get(flat.dtype)
+        if rooms is None or rooms.shape[1] < min(step, flat.size):
+            rooms = self._pair_rooms[flat.dtype] = np.empty((2, min(step, flat.size)), flat.dtype)
+        peer, pending = 1 - self.rank, None
+        for i, start in enumerate(range(0, flat.size, step)):
+            mine = flat[start : start + step]
+            theirs = rooms[i % 2, : mine.size]
+            sent = self.mpi_comm.Isend(mine, dest=peer, tag=PAIR_TAG)
+            received = self.mpi_comm.Irecv(theirs, source=peer, tag=PAIR_TAG)
+            if pending is not None:
+                _combine_when_done(*pending)
+            pending = ([sent, received], combine, mine, theirs)
+        if pending is not None:
+            _combine_when_done(*pending)
 
     def allreduce_int8_(self, tensor: torch.Tensor, feedback: Feedback) -> Reduction:
         """The ring's two halves in int8 (crossbow_mpi.comm.int8): each rank sends its payload, cast with its
@@ -72,9 +116,29 @@ class MpiCommunicator(Communicator):
         return tensor
 
 
+def _combine_when_done(requests: list, combine: Callable, mine: np.ndarray, theirs: np.ndarray) -> None:
+    wait_all(requests)
+    combine(mine, theirs)
+
+
+def _add(mine: np.ndarray, theirs: np.ndarray) -> None:
+    np.add(mine, theirs, out=mine)
+
+
+def _cast_add(mine: np.ndarray, theirs: np.ndarray, dtype: torch.dtype) -> None:
+    """mine = mine + theirs in float32, cast to `dtype`; both hold `dtype` values as same-sized integers (_bits)."""
+    typed = torch.from_numpy(mine).view(dtype)
+    typed.copy_(typed.float() + torch.from_numpy(theirs).view(dtype).float())
+
+
 def _raw(tensor: torch.Tensor):
     """A host tensor's bytes as a NumPy view (NumPy has no bfloat16)."""
     return tensor.view(torch.uint8).numpy()
+
+
+def _bits(tensor: torch.Tensor):
+    """A host tensor's values as a NumPy view of integers of their size, one element each."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).numpy()
 
 
 class _host_view:
