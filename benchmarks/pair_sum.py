@@ -1,6 +1,6 @@
-"""Two ranks' sum: Open MPI's Allreduce against `MpiCommunicator.allreduce_sum_`'s pair exchange (one Isend/Irecv
-of the message each way and an add, in chunks of `PAIR_CHUNK_BYTES`), on this host's shared memory and over a
-rate-limited link between two nodes.
+"""Two ranks' sum: Open MPI's Allreduce against `MpiCommunicator.allreduce_sum_`'s pair exchange (one Irecv/Isend
+of the message each way and an add, in chunks of `PAIR_CHUNK_BYTES`; the trainer takes it where the two ranks share
+no memory), on this host's shared memory and over a rate-limited link between two nodes.
 
     python -m benchmarks.pair_sum [--quick] [--reps 3]
 
@@ -66,7 +66,7 @@ def worker(settings: dict) -> dict:
     from crossbow_mpi.runtime import process
 
     MPI = process.mpi()
-    comm = MpiCommunicator(MPI.COMM_WORLD)
+    comm = MpiCommunicator(MPI.COMM_WORLD, pair=True)
     message = torch.randn(settings["floats"], generator=torch.Generator().manual_seed(comm.rank))
     times = []
     for call in range(settings["calls"] + 2):

@@ -44,7 +44,7 @@ def test_two_ranks_sum_by_their_exchange_with_the_bits_of_mpis_allreduce(comm, m
 
     if chunk_bytes is not None:
         monkeypatch.setattr(mpi, "PAIR_CHUNK_BYTES", chunk_bytes)  # 10 float32 or 5 float64 a chunk, the last one short
-    pair = comm.split(comm.rank // 2, comm.size - comm.rank)  # pairs, each in reverse order
+    pair = MpiCommunicator(comm.mpi_comm.Split(comm.rank // 2, comm.size - comm.rank), pair=True)  # reversed pairs
     for n, dtype in [(103, torch.float32), (1001, torch.float32), (7, torch.float64), (0, torch.float32)]:
         tensor = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank), dtype=dtype) * 1e3
         expected = tensor.clone()
@@ -53,6 +53,13 @@ def test_two_ranks_sum_by_their_exchange_with_the_bits_of_mpis_allreduce(comm, m
         pair.allreduce_sum_(tensor)
         assert tensor.dtype == dtype and torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))
     assert pair.size == 1 or pair._pair_rooms, "the pair's sum did not take its exchange"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_that_share_memory_keep_mpis_allreduce(comm):
+    pair = comm.split(comm.rank // 2, comm.rank)
+    pair.allreduce_sum_(torch.ones(10))
+    assert not pair._pairs() and not pair._pair_rooms
 
 
 @pytest.mark.mpi(min_size=1)

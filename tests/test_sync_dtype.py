@@ -29,9 +29,9 @@ def everyone(comm, tensor: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", [1, 1001])
-@pytest.mark.parametrize("chunk_bytes", [None, 40])
+@pytest.mark.parametrize("pair, chunk_bytes", [(None, None), (True, None), (True, 40)])
 def test_cast_sum_adds_the_cast_payloads_in_float32_and_every_rank_gets_the_same_bits(
-    comm, monkeypatch, dtype, numel, chunk_bytes
+    comm, monkeypatch, dtype, numel, pair, chunk_bytes
 ):
     from crossbow_mpi.comm import mpi
 
@@ -40,7 +40,7 @@ def test_cast_sum_adds_the_cast_payloads_in_float32_and_every_rank_gets_the_same
     mine = torch.randn(numel, generator=torch.Generator().manual_seed(comm.rank)) * 3
     rows = everyone(comm, mine)
     expected = torch.stack([row.to(dtype).float() for row in rows]).sum(0).to(dtype).float()
-    reduction = MpiCommunicator(comm.mpi_comm).allreduce_cast_(mine, dtype)
+    reduction = MpiCommunicator(comm.mpi_comm, pair=pair).allreduce_cast_(mine, dtype)
     assert reduction.total is mine and torch.equal(mine, expected)
     assert all(torch.equal(copy, mine) for copy in everyone(comm, mine))
 

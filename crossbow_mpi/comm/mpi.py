@@ -19,8 +19,11 @@ PAIR_CHUNK_BYTES = 16 << 20
 class MpiCommunicator(Communicator):
     """Tensor collectives with mpi4py on host buffers (CPU tensors are used in place)."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, pair: bool | None = None):
+        """`pair`: whether a scope of two ranks sums by one exchange of the whole message (`_pair_exchange`; None:
+        where the two share no memory, found at the first sum)."""
         super().__init__(mpi_comm)
+        self._pair = pair
         self._pair_rooms: dict[np.dtype, np.ndarray] = {}
         """The two-rank sum's receive buffers, two chunks of each element type."""
 
@@ -31,7 +34,7 @@ class MpiCommunicator(Communicator):
     def allreduce_sum_(self, tensor: torch.Tensor) -> Reduction:
         if self.size > 1:
             with _host_view(tensor) as host:
-                if self.size == 2:
+                if self._pairs():
                     self._pair_exchange(host.reshape(-1), _add)
                 else:
                     self.mpi_comm.Allreduce(self.mpi().IN_PLACE, host)
@@ -40,12 +43,12 @@ class MpiCommunicator(Communicator):
     def allreduce_cast_(self, tensor: torch.Tensor, dtype: torch.dtype) -> Reduction:
         """A ring allreduce's two halves with the payload in `dtype` on the wire: each rank receives every rank's
         cast copy of its 1/P chunk (Alltoall), sums the copies in float32 in rank order, and the cast sums are
-        gathered (Allgather); every rank ends with the same bits. Two ranks exchange their cast copies whole and
-        each sums both (`_pair_exchange`): the same bits, in one exchange."""
+        gathered (Allgather); every rank ends with the same bits. Two ranks on two nodes exchange their cast copies
+        whole and each sums both (`_pair_exchange`): the same bits, in one exchange."""
         if dtype == tensor.dtype or self.size == 1:
             return self.allreduce_sum_(tensor)
         p, n = self.size, tensor.numel()
-        if p == 2:
+        if self._pairs():
             wire = tensor.reshape(-1).to("cpu", dtype)
             self._pair_exchange(_bits(wire), lambda mine, theirs: _cast_add(mine, theirs, dtype))
             tensor.copy_(wire.view(tensor.shape))
@@ -60,12 +63,24 @@ class MpiCommunicator(Communicator):
         tensor.copy_(wire[:n].view(tensor.shape))
         return Reduction(tensor, self.size)
 
+    def _pairs(self) -> bool:
+        """Whether this scope sums by `_pair_exchange` (at its first call where `pair` was None: collective)."""
+        if self.size != 2:
+            return False
+        if self._pair is None:
+            shared = self.mpi_comm.Split_type(self.mpi().COMM_TYPE_SHARED, key=self.rank)
+            self._pair = shared.Get_size() == 1
+            shared.Free()
+        return self._pair
+
     def _pair_exchange(self, flat: np.ndarray, combine: Callable[[np.ndarray, np.ndarray], None]) -> None:
         """Two ranks' reduction as one exchange of the message: each sends its `flat` and receives the other's, a
         chunk of PAIR_CHUNK_BYTES at a time with the next in flight, and `combine(mine, theirs)` writes the result
         into its chunk of `flat`. A combine that commutes (one IEEE addition) gives both ranks the same bits, and
-        the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.65x as long over a TCP link
-        (benchmarks/README.md, "Two ranks' sum")."""
+        the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.6x as long over a TCP link (in
+        shared memory less, so ranks that share memory keep it: benchmarks/README.md, "Two ranks' sum"). The receive
+        is posted first, as in Open MPI's own exchanges: posted after the send, the exchange took 1.15x as long over
+        a TCP link, single calls up to 1.5x."""
         step = max(1, PAIR_CHUNK_BYTES // flat.itemsize)
         rooms = self._pair_rooms.get(flat.dtype)
         if rooms is None or rooms.shape[1] < min(step, flat.size):
@@ -74,8 +89,8 @@ class MpiCommunicator(Communicator):
         for i, start in enumerate(range(0, flat.size, step)):
             mine = flat[start : start + step]
             theirs = rooms[i % 2, : mine.size]
-            sent = self.mpi_comm.Isend(mine, dest=peer, tag=PAIR_TAG)
             received = self.mpi_comm.Irecv(theirs, source=peer, tag=PAIR_TAG)
+            sent = self.mpi_comm.Isend(mine, dest=peer, tag=PAIR_TAG)
             if pending is not None:
                 _combine_when_done(*pending)
             pending = ([sent, received], combine, mine, theirs)
