@@ -1,4 +1,4 @@
-"""Two ranks' sum: Open MPI's Allreduce against `MpiCommunicator.allreduce_sum_`'s pair exchange (one Irecv/Isend
+"""Two ranks' sum: Open MPI's Allreduce against `MpiCommunicator.allreduce_sum_`'s pair exchange (one Isend/Irecv
 of the message each way and an add, in chunks of `PAIR_CHUNK_BYTES`; the trainer takes it where the two ranks share
 no memory), on this host's shared memory and over a rate-limited link between two nodes.
 

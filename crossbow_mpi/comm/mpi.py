@@ -78,9 +78,9 @@ class MpiCommunicator(Communicator):
         chunk of PAIR_CHUNK_BYTES at a time with the next in flight, and `combine(mine, theirs)` writes the result
         into its chunk of `flat`. A combine that commutes (one IEEE addition) gives both ranks the same bits, and
         the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.6x as long over a TCP link (in
-        shared memory less, so ranks that share memory keep it: benchmarks/README.md, "Two ranks' sum"). The receive
-        is posted first, as in Open MPI's own exchanges: posted after the send, the exchange took 1.15x as long over
-        a TCP link, single calls up to 1.5x."""
+        shared memory less, so ranks that share memory keep it: benchmarks/README.md, "Two ranks' sum"). The send
+        is posted first: with the receive first, as in Open MPI's own exchanges, back-to-back sums were steadier, but
+        per-step SMA trained a third slower over a TCP link."""
         step = max(1, PAIR_CHUNK_BYTES // flat.itemsize)
         rooms = self._pair_rooms.get(flat.dtype)
         if rooms is None or rooms.shape[1] < min(step, flat.size):
@@ -89,8 +89,8 @@ class MpiCommunicator(Communicator):
         for i, start in enumerate(range(0, flat.size, step)):
             mine = flat[start : start + step]
             theirs = rooms[i % 2, : mine.size]
-            received = self.mpi_comm.Irecv(theirs, source=peer, tag=PAIR_TAG)
             sent = self.mpi_comm.Isend(mine, dest=peer, tag=PAIR_TAG)
+            received = self.mpi_comm.Irecv(theirs, source=peer, tag=PAIR_TAG)
             if pending is not None:
                 _combine_when_done(*pending)
             pending = ([sent, received], combine, mine, theirs)
