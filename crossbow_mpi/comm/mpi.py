@@ -77,7 +77,7 @@ class MpiCommunicator(Communicator):
         """Two ranks' reduction as one exchange of the message: each sends its `flat` and receives the other's, a
         chunk of PAIR_CHUNK_BYTES at a time with the next in flight, and `combine(mine, theirs)` writes the result
         into its chunk of `flat`. A combine that commutes (one IEEE addition) gives both ranks the same bits, and
-        the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.6x as long over a TCP link (in
+        the bits of MPI's Allreduce, whose default algorithm at two ranks took 1.3-1.5x as long over a TCP link (in
         shared memory less, so ranks that share memory keep it: benchmarks/README.md, "Two ranks' sum"). The send
         is posted first: with the receive first, as in Open MPI's own exchanges, back-to-back sums were steadier, but
         per-step SMA trained a third slower over a TCP link."""
