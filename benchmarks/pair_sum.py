@@ -145,8 +145,7 @@ def training_runs(options: harness.Options, budget: Budget, place: str, link: sl
     """Per-step SMA's runs over `place` (where budget.trained names it), from the point store or trained now."""
     if place not in budget.trained:
         return []
-    variant = slow_link.variants(slow_link.FULL)[tcp_links.TRAINED["per_step"]]
-    flags = {**slow_link.FLAGS, "dataset": budget.dataset, "eval_every": harness.NEVER, **variant.flags}
+    variant, flags = slow_link.throughput_flags(budget.dataset, tcp_links.TRAINED["per_step"])
     launch = {"wrap": None if link is None else link.wrap}
     seeded = options.store.seeded(
         f"{place} per-step", variant.trainer, 2, {**flags, "epochs": budget.epochs}, budget.timeout_s, launch=launch

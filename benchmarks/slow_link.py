@@ -255,6 +255,13 @@ def link_runs(options: harness.Options, budget: Budget, rate: str, stage: dict[s
     return runs, harness.progress(f"{rate} {name}", runs, len(stage) * options.reps)
 
 
+def throughput_flags(dataset: str, name: str) -> tuple[Variant, dict]:
+    """Variant `name` of the full grid, and its flags for a run that measures samples a second on `dataset`: the
+    model and batch of every variant, never evaluated."""
+    variant = variants(FULL)[name]
+    return variant, {**FLAGS, "dataset": dataset, "eval_every": harness.NEVER, **variant.flags}
+
+
 def common_flags(budget: Budget) -> dict:
     """Every variant's training flags: the model, the data, the target and how long a run may go on."""
     return {

@@ -197,18 +197,17 @@ def socket_exchange(link: slow_link.Link | None, sockets: int, size: int, calls:
 
 def training_runs(options: harness.Options, budget: Budget, rate: str, link: slow_link.Link | None) -> list[dict]:
     """Each trained variant's runs at every `links` value, from the point store or trained now, seeds interleaved."""
-    every = slow_link.variants(slow_link.FULL)
-    common = {**slow_link.FLAGS, "dataset": budget.dataset, "eval_every": harness.NEVER}
+    trained = {prefix: slow_link.throughput_flags(budget.dataset, name) for prefix, name in TRAINED.items()}
     seeded = {
         f"{prefix} links={links}": options.store.seeded(
             f"{rate} links={links}",
-            every[name].trainer,
+            variant.trainer,
             NODES,
-            {**common, **every[name].flags, "epochs": budget.epochs[prefix]},
+            {**flags, "epochs": budget.epochs[prefix]},
             budget.timeout_s,
             launch=launch(link, links),
         )
-        for prefix, name in TRAINED.items()
+        for prefix, (variant, flags) in trained.items()
         for links in budget.links
     }
     return [{"part": "training", **run} for run in harness.interleave(seeded, options.reps)]
