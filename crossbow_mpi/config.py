@@ -287,7 +287,7 @@ class Config:
     """Injected stragglers for tests and benchmarks: `random:MS[:N]` or `slow-rank:R:FACTOR` (empty: none)."""
     collective_timeout: float = 300.0
     """Abort the job, naming the ranks that did not arrive, when training makes no progress for this many
-    seconds because a rank stopped taking part (0: never)."""
+    seconds because a rank stopped taking part (0: never); noticed up to a twentieth of it (at most 5 s) later."""
     on_rank_loss: str = "abort"
     """When a rank dies (a killed process): `abort` the job, or `continue` on the survivors (every `--algorithm`
     but `auto`; launch with `mpirun --with-ft ulfm`, see docs/failures.md): the survivors go

@@ -131,15 +131,27 @@ def test_stop_votes_let_a_fast_rank_run_ahead_of_a_slow_one(comm):
         assert ahead < 0.5, "a rank waited for the slow rank's votes before their outcome was due"
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_watchdog_closes_without_waiting_out_its_interval(comm):
+    from crossbow_mpi.runtime.watchdog import MAX_INTERVAL_S, Watchdog
+
+    watchdog = Watchdog(comm, timeout=300)
+    assert watchdog.interval == MAX_INTERVAL_S
+    time.sleep(0.2)
+    started = time.monotonic()
+    watchdog.close()
+    assert time.monotonic() - started < MAX_INTERVAL_S / 2, "closing waited for the next heartbeat"
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_closed_watchdog_leaves_no_heartbeat_in_flight(comm):
     """Open MPI gives a freed communicator's id to the next one made: a heartbeat still in flight when the watchdog
     freed its channel would arrive on that one."""
-    from crossbow_mpi.runtime.watchdog import INTERVAL_S, Watchdog
+    from crossbow_mpi.runtime.watchdog import Watchdog
 
-    watchdog = Watchdog(comm, timeout=60)
+    watchdog = Watchdog(comm, timeout=20)
     if comm.rank != 0:
-        time.sleep(2.5 * INTERVAL_S)  # rank 0 closes first; the others go on sending heartbeats
+        time.sleep(2.5 * watchdog.interval)  # rank 0 closes first; the others go on sending heartbeats
     watchdog.close()
     comm.barrier()
     after = [comm.mpi_comm.Dup() for _ in range(4)]
