@@ -5,7 +5,7 @@ no memory), on this host's shared memory and over a rate-limited link between tw
     python -m benchmarks.pair_sum [--quick] [--reps 3]
 
 Methods: `mpi` (Open MPI's Allreduce, its default algorithm), `rd` (the same held to recursive doubling,
-tcp_links.RECURSIVE_DOUBLING) and `pair` (crossbow_mpi's). Each job sums a float32 vector of N random values per
+`RECURSIVE_DOUBLING`) and `pair` (crossbow_mpi's). Each job sums a float32 vector of N random values per
 rank (seeded by the rank) `calls` times after two warm-ups, each call on a fresh copy; jobs alternate the methods.
 `*_s`: the mean of every call; `pair_vs_mpi`: mpi's mean / pair's (above 1: pair is faster); `link_share`: the
 link rate's time for the bytes each rank sends (the message once) over pair's mean. `same_bits`: every job's sum has
@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import harness, slow_link, tcp_links
+from benchmarks import harness, slow_link
+from crossbow_mpi.planner.perf_model import Network
 
-METHODS = {"mpi": None, "rd": tcp_links.RECURSIVE_DOUBLING, "pair": None}
+RECURSIVE_DOUBLING = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "3"}
+"""Open MPI's tuned Allreduce held to recursive doubling (its algorithm 3): at 2 ranks one exchange of the whole
+message, where the ring (algorithm 4, as fast here as its default choice) makes two, with a reduction between."""
+METHODS = {"mpi": None, "rd": RECURSIVE_DOUBLING, "pair": None}
 """Each method's extra environment for mpirun."""
 MODELS = {"lenet": (1, 28, 28), "resnet32": (3, 32, 32)}
 """Models whose flat state (FlatLayout.num_state, 10 classes) is a message size, with their input shapes."""
@@ -93,6 +98,16 @@ def floats(size: str) -> int:
     return FlatLayout(build_model(size, MODELS[size], 10)).num_state
 
 
+def bound_s(rate: str, count: int, ranks: int = slow_link.NODES) -> float | None:
+    """Seconds the ring allreduce of `count` float32 values needs at the tbf `rate`, by the planner's model without
+    latency (None: no limit)."""
+    found = re.fullmatch(r"(\d+)([kmg])bit", rate)
+    if found is None:
+        return None
+    gbit_per_s = int(found[1]) * {"k": 1e-6, "m": 1e-3, "g": 1.0}[found[2]]
+    return Network.from_link(gbit_per_s, 0).ring_allreduce_s(count * 4, ranks)
+
+
 def measure(options: harness.Options) -> harness.Report:
     budget = QUICK if options.quick else FULL
     runs = timed_runs(options, budget, None, budget.host_sizes) + training_runs(options, budget, "host", None)
@@ -145,7 +160,7 @@ def training_runs(options: harness.Options, budget: Budget, place: str, link: sl
     """Per-step SMA's runs over `place` (where budget.trained names it), from the point store or trained now."""
     if place not in budget.trained:
         return []
-    variant, flags = slow_link.throughput_flags(budget.dataset, tcp_links.TRAINED["per_step"])
+    variant, flags = slow_link.throughput_flags(budget.dataset, "sma H=1")
     launch = {"wrap": None if link is None else link.wrap}
     seeded = options.store.seeded(
         f"{place} per-step", variant.trainer, 2, {**flags, "epochs": budget.epochs}, budget.timeout_s, launch=launch
@@ -163,7 +178,7 @@ def row(runs: list[dict], link: str, size: str) -> dict:
         method: statistics.fmean(s for run in mine if run["variant"] == f"{method} {size}" for s in run["seconds"])
         for method in METHODS
     }
-    bound = None if link == "host" else tcp_links.bound_s(link, floats(size))
+    bound = None if link == "host" else bound_s(link, floats(size))
     return {
         "link": link,
         "size": size,

@@ -4,9 +4,9 @@ Allreduce of LeNet's flat state alone, and SMA's training samples/s, with 1 and 
     python -m benchmarks.tcp_links [--quick] [--reps 3] [--budget-minutes 30]
 
 2 nodes × 1 rank over the namespaces of benchmarks/slow_link.py (root, iproute2); --quick on this host's loopback,
-where the ranks share memory and N changes nothing. The Allreduce is Open MPI's, of a float32 vector of the model's
-flat state (what `MpiCommunicator.allreduce_sum_` called at 2 ranks before its pair exchange, benchmarks/pair_sum.py),
-timed `calls` times a job after two warm-ups; jobs alternate N. `allreduce_s`: the
+where the ranks share memory and N changes nothing. The Allreduce is Open MPI's, of random float32 values as many as the
+model's flat state (what `MpiCommunicator.allreduce_sum_` called at 2 ranks before its pair exchange), timed `calls`
+times a job after two warm-ups by benchmarks/pair_sum.py's worker (method `mpi`); jobs alternate N. `allreduce_s`: the
 mean of every call (what a run of syncs pays: over one connection the calls alternate between two durations);
 `link_share`: the time the link's rate gives the ring allreduce's bytes (each rank sends 2 (P - 1) / P of the
 message, `Network.ring_allreduce_s` without latency) over that mean, above 1 where tbf's 256 kB burst passes at the
@@ -23,22 +23,17 @@ time).
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import harness, slow_link
-from crossbow_mpi.planner.perf_model import Network
+from benchmarks.pair_sum import RECURSIVE_DOUBLING, bound_s, floats, worker
 
 NODES = slow_link.NODES
-RECURSIVE_DOUBLING = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "3"}
-"""Open MPI's tuned Allreduce held to recursive doubling (its algorithm 3): at 2 ranks one exchange of the whole
-message, where the ring (algorithm 4, as fast here as its default choice) makes two, with a reduction between."""
 TRAINED = {"per_step": "sma H=1", "h16": "sma H=16 nesterov fp32"}
 """Each trained variant's column prefix, and its name among benchmarks/slow_link.py's variants."""
 
@@ -70,43 +65,11 @@ COLUMNS += ["per_step_samples_per_s", "per_step_vs_one"]
 COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
 
 
-def worker(settings: dict) -> dict:
-    """Time `calls` Allreduces of the model's flat state on this job's ranks; return the times and its floats."""
-    import torch
-
-    from crossbow_mpi.comm import MpiCommunicator
-    from crossbow_mpi.models import build_model
-    from crossbow_mpi.replicas.flat import FlatLayout
-    from crossbow_mpi.runtime import process
-
-    MPI = process.mpi()
-    comm = MpiCommunicator(MPI.COMM_WORLD)
-    vector = torch.ones(FlatLayout(build_model("lenet", (1, 28, 28), 10)).num_state)
-    times = []
-    for call in range(settings["calls"] + 2):
-        comm.barrier()
-        started = time.perf_counter()
-        comm.mpi_comm.Allreduce(MPI.IN_PLACE, vector.numpy())
-        if call >= 2:
-            times.append(time.perf_counter() - started)
-    return {"floats": vector.numel(), "seconds": times}
-
-
 def launch(link: slow_link.Link | None, links: int, env: dict | None = None) -> dict:
     """`harness.mpirun`'s `wrap` and `env` for `links` TCP connections a pair over `link`'s nodes (None: this host):
     the variable a user sets (docs/clusters.md), which mpirun passes on to every rank; `env`: more such variables."""
     wrap = None if link is None else link.wrap
     return {"wrap": wrap, "env": {"OMPI_MCA_btl_tcp_links": str(links), **(env or {})}}
-
-
-def bound_s(rate: str, floats: int, ranks: int = NODES) -> float | None:
-    """Seconds the ring allreduce of `floats` float32 values needs at the tbf `rate`, by the planner's model without
-    latency (None: no limit)."""
-    found = re.fullmatch(r"(\d+)([kmg])bit", rate)
-    if found is None:
-        return None
-    gbit_per_s = int(found[1]) * {"k": 1e-6, "m": 1e-3, "g": 1.0}[found[2]]
-    return Network.from_link(gbit_per_s, 0).ring_allreduce_s(floats * 4, ranks)
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -117,7 +80,7 @@ def measure(options: harness.Options) -> harness.Report:
             link = None if rate == "host" else slow_link.Link(rate, Path(directory))
             try:
                 timed = allreduce_runs(options, budget, link)
-                timed += socket_runs(options, budget, link, next(run["floats"] for run in timed) * 4)
+                timed += socket_runs(options, budget, link, floats("lenet") * 4)
                 trained = training_runs(options, budget, rate, link)
                 targets = target_runs(options, budget, rate, link)
             finally:
@@ -146,9 +109,10 @@ def measure(options: harness.Options) -> harness.Report:
 
 def allreduce_runs(options: harness.Options, budget: Budget, link: slow_link.Link | None) -> list[dict]:
     """Each repetition's Allreduce job at every `links` value, the values alternating."""
+    settings = {"method": "mpi", "floats": floats("lenet"), "calls": budget.calls}
     jobs = {
         f"{name}links={links}": lambda rep, links=links, env=env: harness.run_worker(
-            options.name, NODES, {"calls": budget.calls}, budget.timeout_s, **launch(link, links, env)
+            options.name, NODES, settings, budget.timeout_s, **launch(link, links, env)
         )
         for links in budget.links
         for name, env in (("", None), ("rd ", RECURSIVE_DOUBLING))
@@ -231,7 +195,7 @@ def target_runs(options: harness.Options, budget: Budget, rate: str, link: slow_
 def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict]) -> list[dict]:
     """One row per `links` value over one link."""
     rows = []
-    bound = bound_s(rate, next(run["floats"] for run in timed if "floats" in run))
+    bound = bound_s(rate, floats("lenet"))
     for links in budget.links:
         row: dict = {"link": rate, "tcp_links": links}
         for column, variant in (("allreduce", "links"), ("rd", "rd links"), ("socket", "sockets")):
