@@ -56,6 +56,21 @@ def test_two_ranks_sum_by_their_exchange_with_the_bits_of_mpis_allreduce(comm, m
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pair", [True, False])
+def test_a_started_sum_has_the_bits_of_mpis_allreduce(comm, pair):
+    scope = MpiCommunicator(comm.mpi_comm.Split(comm.rank // 2, comm.size - comm.rank), pair=pair)
+    for n in (0, 7, 1001):
+        tensor = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank)) * 1e3
+        expected = tensor.clone()
+        scope.mpi_comm.Allreduce(comm.mpi().IN_PLACE, expected.numpy())
+        pending = scope.iallreduce_sum_(tensor)
+        scope.allreduce_sum_(torch.ones(3))  # a blocking sum while it is in flight keeps to its own messages
+        pending.wait()
+        assert torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8))
+    assert len(pending.requests) == (2 if pair and scope.size == 2 else 1), "the pair's sum did not take its exchange"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_two_ranks_that_share_memory_keep_mpis_allreduce(comm):
     pair = comm.split(comm.rank // 2, comm.rank)
     pair.allreduce_sum_(torch.ones(10))

@@ -153,6 +153,21 @@ def test_local_steps_match_float64_reference(comm, shared_tmp, outer, learners, 
     assert relative_error(result.central[num_params:], reference[num_params:]) < 1e-6, "BatchNorm statistics"
 
 
+@pytest.mark.mpi(min_size=2)
+def test_delayed_syncs_of_two_ranks_by_their_exchange_give_mpis_bits(comm, shared_tmp):
+    if comm.size != 2:
+        pytest.skip("a pair's exchange needs exactly 2 ranks")
+    from crossbow_mpi.comm import MpiCommunicator
+
+    train, test = datasets(comm.size, 2)
+    flags = {"learners": 2, "sync_every": 4, "outer_optimizer": "nesterov", "fragments": 2, "sync_delay": 1}
+    centrals = []
+    for pair in (True, False):
+        cfg = run_config(shared_tmp / f"pair-{pair}", **flags)
+        centrals.append(Trainer(cfg, MpiCommunicator(comm.mpi_comm, pair=pair)).fit(mlp, train, test).central)
+    assert torch.equal(centrals[0].view(torch.uint8), centrals[1].view(torch.uint8))
+
+
 @pytest.mark.mpi(min_size=1)
 def test_nesterov_every_step_with_outer_lr_1_and_no_outer_momentum_is_ssgd(comm, shared_tmp):
     train, test = datasets(comm.size, 3)

@@ -40,7 +40,6 @@ import torch
 from crossbow_mpi.algorithms.base import Algorithm, ring_bytes
 from crossbow_mpi.algorithms.outer import fragment_columns, outer_step
 from crossbow_mpi.comm import Communicator
-from crossbow_mpi.comm.base import wait_sleeping
 from crossbow_mpi.config import ConfigError
 from crossbow_mpi.replicas.kernels import SmaCentralUpdate, SmaUpdate
 from crossbow_mpi.replicas.learners import CentralModel, Learners
@@ -74,7 +73,7 @@ class SynchronousModelAveraging(Algorithm):
         self.since_sync = 0
         """Local steps taken since the last sync."""
         self.in_flight: tuple | None = None
-        """A delayed sync: (message on the host, length of its first part, its columns, MPI request)."""
+        """A delayed sync: (message on the host, length of its first part, its columns, its pending sum)."""
         self.delay_left = 0
         """Steps until the delayed sync applies."""
 
@@ -155,17 +154,17 @@ class SynchronousModelAveraging(Algorithm):
         self.stage_pseudo_gradients()
         message, num_params = self.staged_message(self.transport, columns)
         host = message.to("cpu", copy=True)
-        request = self.transport.iallreduce_sum_(host)  # type: ignore[attr-defined]
+        pending = self.transport.iallreduce_sum_(host)  # type: ignore[attr-defined]
         self.comm_bytes += ring_bytes(self.transport.size, host.numel() * host.element_size())
-        self.in_flight, self.delay_left = (host, num_params, columns, request), self.hp.sync_delay
+        self.in_flight, self.delay_left = (host, num_params, columns, pending), self.hp.sync_delay
 
     def drain(self) -> None:
         """Complete and apply a delayed sync."""
         if self.in_flight is None:
             return
-        host, num_params, columns, request = self.in_flight
+        host, num_params, columns, pending = self.in_flight
         self.in_flight = None
-        wait_sleeping([request])
+        pending.wait()
         message = host.to(self.central.z.device)
         carried = self.take_buffers(message, num_params)
         self.outer_apply(message[:num_params].div_(carried), columns)

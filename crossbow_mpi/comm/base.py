@@ -30,6 +30,20 @@ class Reduction:
     contributions: int
 
 
+@dataclass
+class Pending:
+    """A started reduction: its MPI requests, and what completes it once they are done (None: nothing)."""
+
+    requests: list
+    finish: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        """Complete the requests without spinning (`wait_sleeping`), then the reduction."""
+        wait_sleeping(self.requests)
+        if self.finish is not None:
+            self.finish()
+
+
 class Communicator(ABC):
     """Collectives over the ranks of one scope (the world, or a split of it).
 

@@ -7,11 +7,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from crossbow_mpi.comm.base import Communicator, Reduction, wait_all
+from crossbow_mpi.comm.base import Communicator, Pending, Reduction, wait_all
 from crossbow_mpi.comm.int8 import BLOCK, Feedback, dequantise
 
 PAIR_TAG = 0x05A1
 """The tag of the two-rank sum's messages on the scope's own communicator."""
+DELAYED_PAIR_TAG = 0x05A2
+"""The tag of the two-rank started sum's messages (`iallreduce_sum_`), apart from the blocking sum's."""
 PAIR_CHUNK_BYTES = 16 << 20
 """The two-rank sum's message size: a larger tensor goes in chunks, the next in flight while one is added."""
 
@@ -119,10 +121,18 @@ class MpiCommunicator(Communicator):
         tensor.copy_(dequantise(q, scales)[:n].view(tensor.shape))
         return Reduction(tensor, self.size)
 
-    def iallreduce_sum_(self, tensor: torch.Tensor):
-        """Start replacing a contiguous host tensor by its sum over the ranks; return the MPI request."""
+    def iallreduce_sum_(self, tensor: torch.Tensor) -> Pending:
+        """Start replacing a contiguous host tensor by its sum over the ranks. Two ranks that share no memory
+        exchange the whole tensor, one message each way (as `_pair_exchange`, the same bits); the rest take MPI's
+        Iallreduce."""
         assert tensor.device.type == "cpu" and tensor.is_contiguous()
-        return self.mpi_comm.Iallreduce(self.mpi().IN_PLACE, tensor.numpy())
+        flat = tensor.numpy().reshape(-1)
+        if not self._pairs():
+            return Pending([self.mpi_comm.Iallreduce(self.mpi().IN_PLACE, flat)])
+        theirs, peer = np.empty_like(flat), 1 - self.rank
+        sent = self.mpi_comm.Isend(flat, dest=peer, tag=DELAYED_PAIR_TAG)
+        received = self.mpi_comm.Irecv(theirs, source=peer, tag=DELAYED_PAIR_TAG)
+        return Pending([sent, received], lambda: _add(flat, theirs))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:
