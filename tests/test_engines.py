@@ -32,13 +32,17 @@ def mlp_bn_float64() -> nn.Module:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp):
+@pytest.mark.parametrize("extra", [{}, {"algorithm": "ssgd", "clip_grad_norm": 0.5}])
+def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp, extra):
+    """The threads engine's step runs on a worker with the learners' threads, the sequential engine's on the calling
+    thread with all: the reductions (S-SGD's sum over learners and its gradient norm) give the same bits."""
     train = synthetic_dataset((1, 6, 6), 10, 240 * comm.size, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 40, seed=1)
     results = {}
     for engine in ("sequential", "threads"):
         cfg = Config(
-            run_dir=str(shared_tmp / engine),
+            **extra,
+            run_dir=str(shared_tmp / f"{engine}{len(extra)}"),
             engine=engine,
             learners=3,
             batch_size=8,
@@ -161,11 +165,38 @@ def test_the_threads_engine_runs_a_lone_learner_on_the_calling_thread(comm, shar
     cfg = Config(run_dir=str(shared_tmp / "one"), engine="threads", learners=1, batch_size=8, threads=2, seed=4)
     run = Trainer(cfg, comm).start(convnet, train)
     run.train_step(0.05)
-    assert run.engine.pool is None, "a worker thread ran the only learner"
+    assert not run.engine.workers, "a worker thread ran the only learner"
     run.resize(2)
     run.train_step(0.05)
-    assert run.engine.workers == 2
+    assert len(run.engine.workers) == 2
     run.engine.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_threads_engines_calling_thread_computes_on_one_thread_and_its_first_worker_steps(comm, shared_tmp):
+    """A thread that ran an op on 2 threads leaves its OpenMP team spinning on a core the learners need: the calling
+    thread fetches the batches on one thread, and learner 0's worker runs `local_step`, `sync` and the check after
+    them, with the learners' threads."""
+    train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
+    cfg = Config(run_dir=str(shared_tmp / "two"), engine="threads", learners=2, batch_size=8, threads=2, seed=4)
+    run = Trainer(cfg, comm).start(convnet, train)
+    seen: dict[str, tuple[int, int]] = {}
+
+    def spy(name, call):
+        return lambda *args: (seen.setdefault(name, (threading.get_ident(), torch.get_num_threads())), call(*args))[1]
+
+    run.prefetcher.batches = spy("batches", run.prefetcher.batches)
+    run.algorithm.local_step = spy("local_step", run.algorithm.local_step)
+    run.algorithm.sync = spy("sync", run.algorithm.sync)
+    learner_step = run.engine.learner_step
+    run.engine.learner_step = lambda ls, j, b: (j or spy("learner 0", lambda: None)(), learner_step(ls, j, b))[1]
+    run.train_step(0.05)
+    run.engine.after_sync(spy("check", run.central.z.sum))()
+    run.engine.close()
+    first_worker = seen["learner 0"][0]
+    assert seen["batches"] == (threading.get_ident(), 1)
+    assert seen["local_step"] == seen["sync"] == seen["check"] == (first_worker, 1)
+    assert first_worker != threading.get_ident() and torch.get_num_threads() == 2
 
 
 def test_the_threads_engine_runs_more_learners_than_threads_in_one_worker_per_thread(monkeypatch):

@@ -14,8 +14,9 @@ the first step compiles, on the calling thread, and `warmup_s` keeps its seconds
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from itertools import pairwise
 from typing import Protocol
 
@@ -76,11 +77,11 @@ class LearnerEngine:
     def compute_gradients(self, learners: Learners, batches: list[Batch]) -> torch.Tensor:
         """Fill learners.grads and return the k losses."""
         assert len(batches) == learners.k
-        started = time.perf_counter()
+        started, threads = time.perf_counter(), torch.get_num_threads()
         try:
             losses = torch.stack(self.run_learners(learners, batches))
         finally:
-            use_threads(self.threads)
+            use_threads(threads)
         if self.warming_up:
             self.warmup_s = time.perf_counter() - started
         return losses
@@ -92,6 +93,12 @@ class LearnerEngine:
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    @contextmanager
+    def stepping(self, k: int) -> Iterator[None]:
+        """Hold the calling thread's settings for its part of a step of k learners inside (the batches, the engine's
+        calls)."""
+        yield
 
     def run_in_turn(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
         """Run the learners one after another on the calling thread."""
@@ -160,11 +167,15 @@ class SequentialEngine(LearnerEngine):
 
 class ThreadEngine(LearnerEngine):
     """Run the k learners at the same time on min(k, threads) worker threads, each taking a contiguous group of
-    learners in turn (torch releases the GIL inside its kernels).
+    learners in turn (torch releases the GIL inside its kernels); the first worker also runs the step's
+    `local_step`, its `sync` and the check after it, with its learners' threads.
 
     Each learner computes with threads // k intra-op threads, as in every engine, so at most `threads` kernels'
     threads are busy at once: with one worker per learner, k = 4 learners on 2 threads ran 4 busy threads on 2
-    cores, and the operating system's time slicing then decided the step's time.
+    cores, and the operating system's time slicing then decided the step's time. A thread that ran an op on more
+    threads leaves the rest of its OpenMP team spinning for its next one (libgomp's default, a few milliseconds),
+    so the calling thread computes its part of the step (the batches) on one thread, and the first worker, whose
+    team is its learners', runs the rest.
     """
 
     name = "threads"
@@ -172,33 +183,68 @@ class ThreadEngine(LearnerEngine):
 
     def __init__(self, loss_fn: LossFn, threads: int, precision: str = "fp32", compile: bool = False):
         super().__init__(loss_fn, threads, precision, compile)
-        self.pool: ThreadPoolExecutor | None = None
-        self.workers = 0
+        self.workers: list[ThreadPoolExecutor] = []
+        """One thread each, started as a step first needs it."""
+        self.k = 1
+        """The learners of the current step."""
+
+    def concurrency(self, k: int) -> int:
+        """The workers that run a step of k learners."""
+        return min(k, self.threads)
 
     def run_learners(self, learners: Learners, batches: list[Batch]) -> list[torch.Tensor]:
-        workers = min(learners.k, self.threads)
+        self.k, workers = learners.k, self.concurrency(learners.k)
         if workers == 1 or self.warming_up:
             # One worker: nothing to overlap; measured on 2 cores (LeNet, b = 16, 2 threads), a lone learner in a
             # worker thread trained at 0.64x the samples/s of the same learner on the calling thread. Warming up:
             # compile once, on the calling thread, before the learners run the compiled code side by side
             return self.run_in_turn(learners, batches)
-        if self.pool is None or self.workers < workers:
-            self.close()
-            self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="learner")
-            self.workers = workers
+        while len(self.workers) < workers:
+            self.workers.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{len(self.workers)}"))
         bounds = [learners.k * i // workers for i in range(workers + 1)]
         groups = [range(start, end) for start, end in pairwise(bounds)]
-        futures = [self.pool.submit(self.run_group, learners, group, batches) for group in groups]
+        futures = [self.workers[i].submit(self.run_group, learners, group, batches) for i, group in enumerate(groups)]
         return [loss for future in futures for loss in future.result()]
 
     def run_group(self, learners: Learners, group: range, batches: list[Batch]) -> list[torch.Tensor]:
         """Run the learners of `group` one after another on this worker thread."""
         return [self.learner_step(learners, j, batches[j]) for j in group]
 
+    @contextmanager
+    def stepping(self, k: int) -> Iterator[None]:
+        if self.concurrency(k) == 1:
+            yield
+            return
+        use_threads(1)
+        try:
+            yield
+        finally:
+            use_threads(self.threads)
+
+    def local_step(self, algorithm: AlgorithmSteps, lr: float) -> None:
+        self.on_first_worker(super().local_step, algorithm, lr)
+
+    def sync(self, algorithm: AlgorithmSteps, lr: float) -> None:
+        self.on_first_worker(super().sync, algorithm, lr)
+
+    def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
+        value = self.on_first_worker(lambda: float(compute()))
+        return lambda: value
+
+    def on_first_worker(self, work: Callable, *args):
+        """Return work(*args), run on the first worker with the learners' threads where the step ran on workers."""
+        if self.concurrency(self.k) == 1 or not self.workers:
+            return work(*args)
+        return self.workers[0].submit(self._with_learner_threads, work, *args).result()
+
+    def _with_learner_threads(self, work: Callable, *args):
+        use_threads(self.learner_threads(self.k))
+        return work(*args)
+
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool, self.workers = None, 0
+        for worker in self.workers:
+            worker.shutdown()
+        self.workers = []
 
 
 class StreamEngine(LearnerEngine):

@@ -229,18 +229,19 @@ class Run:
         """Train this rank's learners on the step at `position` of the epoch, in the scope whose batch sizes these
         are; prefetch the step `ahead` samples on. Return the learners' losses and the seconds before the sync."""
         started, epoch, k = time.perf_counter(), self.state.epoch, self.learners.k
-        losses = self.engine.compute_gradients(self.learners, prefetcher.batches(epoch, position, k, batch_sizes))
-        if ahead:
-            prefetcher.prefetch(epoch, position + ahead, k, batch_sizes)
-        if self.imbalance is not None:
-            world = self.topology.world
-            index = self.local_steps if self.algorithm.rounds else self.state.iteration
-            time.sleep(self.imbalance.delay(index, world.rank, world.size, time.perf_counter() - started))
-        computed = time.perf_counter()
-        self.algorithm.weigh(batch_sizes, prefetcher.sampler.rank)
-        self.engine.local_step(self.algorithm, lr)
-        self.engine.sync(self.algorithm, lr)
-        self.learners.share_extra_state()
+        with self.engine.stepping(k):
+            losses = self.engine.compute_gradients(self.learners, prefetcher.batches(epoch, position, k, batch_sizes))
+            if ahead:
+                prefetcher.prefetch(epoch, position + ahead, k, batch_sizes)
+            if self.imbalance is not None:
+                world = self.topology.world
+                index = self.local_steps if self.algorithm.rounds else self.state.iteration
+                time.sleep(self.imbalance.delay(index, world.rank, world.size, time.perf_counter() - started))
+            computed = time.perf_counter()
+            self.algorithm.weigh(batch_sizes, prefetcher.sampler.rank)
+            self.engine.local_step(self.algorithm, lr)
+            self.engine.sync(self.algorithm, lr)
+            self.learners.share_extra_state()
         self.local_steps += 1
         return losses, computed - started
 
