@@ -87,17 +87,21 @@ class MpiCommunicator(Communicator):
         rooms = self._pair_rooms.get(flat.dtype)
         if rooms is None or rooms.shape[1] < min(step, flat.size):
             rooms = self._pair_rooms[flat.dtype] = np.empty((2, min(step, flat.size)), flat.dtype)
-        peer, pending = 1 - self.rank, None
+        pending = None
         for i, start in enumerate(range(0, flat.size, step)):
             mine = flat[start : start + step]
             theirs = rooms[i % 2, : mine.size]
-            sent = self.mpi_comm.Isend(mine, dest=peer, tag=PAIR_TAG)
-            received = self.mpi_comm.Irecv(theirs, source=peer, tag=PAIR_TAG)
+            requests = self._post_pair(mine, theirs, PAIR_TAG)
             if pending is not None:
                 _combine_when_done(*pending)
-            pending = ([sent, received], combine, mine, theirs)
+            pending = (requests, combine, mine, theirs)
         if pending is not None:
             _combine_when_done(*pending)
+
+    def _post_pair(self, mine: np.ndarray, theirs: np.ndarray, tag: int) -> list:
+        """Post the send of `mine` to the other rank of two, then the receive of its message into `theirs`."""
+        peer = 1 - self.rank
+        return [self.mpi_comm.Isend(mine, dest=peer, tag=tag), self.mpi_comm.Irecv(theirs, source=peer, tag=tag)]
 
     def allreduce_int8_(self, tensor: torch.Tensor, feedback: Feedback) -> Reduction:
         """The ring's two halves in int8 (crossbow_mpi.comm.int8): each rank sends its payload, cast with its
@@ -129,10 +133,8 @@ class MpiCommunicator(Communicator):
         flat = tensor.numpy().reshape(-1)
         if not self._pairs():
             return Pending([self.mpi_comm.Iallreduce(self.mpi().IN_PLACE, flat)])
-        theirs, peer = np.empty_like(flat), 1 - self.rank
-        sent = self.mpi_comm.Isend(flat, dest=peer, tag=DELAYED_PAIR_TAG)
-        received = self.mpi_comm.Irecv(theirs, source=peer, tag=DELAYED_PAIR_TAG)
-        return Pending([sent, received], lambda: _add(flat, theirs))
+        theirs = np.empty_like(flat)
+        return Pending(self._post_pair(flat, theirs, DELAYED_PAIR_TAG), lambda: _add(flat, theirs))
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         if self.size > 1:
