@@ -228,8 +228,7 @@ class ThreadEngine(LearnerEngine):
         self.on_first_worker(super().sync, algorithm, lr)
 
     def after_sync(self, compute: Callable[[], torch.Tensor]) -> Callable[[], float]:
-        value = self.on_first_worker(lambda: float(compute()))
-        return lambda: value
+        return self.on_first_worker(super().after_sync, compute)
 
     def on_first_worker(self, work: Callable, *args):
         """Return work(*args), run on the first worker with the learners' threads where the step ran on workers."""
