@@ -32,17 +32,21 @@ def mlp_bn_float64() -> nn.Module:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("extra", [{}, {"algorithm": "ssgd", "clip_grad_norm": 0.5}])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"algorithm": "ssgd", "clip_grad_norm": 0.5}, {"clip_grad_norm": 0.5}, {"optimizer": "adamw"}],
+)
 def test_sequential_and_threads_engines_are_bit_identical(comm, shared_tmp, extra):
-    """The threads engine's step runs on a worker with the learners' threads, the sequential engine's on the calling
-    thread with all: the reductions (S-SGD's sum over learners and its gradient norm) give the same bits."""
+    """The threads engine's step runs on its workers with the learners' threads (each worker stepping its learners'
+    rows, or the first all of them), the sequential engine's on the calling thread with all: the reductions (the
+    sums over learners, the gradient norms of S-SGD's sum and SMA's rows) give the same bits."""
     train = synthetic_dataset((1, 6, 6), 10, 240 * comm.size, seed=0)
     test = synthetic_dataset((1, 6, 6), 10, 40, seed=1)
     results = {}
     for engine in ("sequential", "threads"):
         cfg = Config(
             **extra,
-            run_dir=str(shared_tmp / f"{engine}{len(extra)}"),
+            run_dir=str(shared_tmp / engine),
             engine=engine,
             learners=3,
             batch_size=8,
@@ -173,30 +177,38 @@ def test_the_threads_engine_runs_a_lone_learner_on_the_calling_thread(comm, shar
 
 
 @pytest.mark.mpi(min_size=1)
-def test_the_threads_engines_calling_thread_computes_on_one_thread_and_its_first_worker_steps(comm, shared_tmp):
+def test_the_threads_engines_calling_thread_computes_on_one_thread_and_its_workers_step(comm, shared_tmp):
     """A thread that ran an op on 2 threads leaves its OpenMP team spinning on a core the learners need: the calling
-    thread fetches the batches on one thread, and learner 0's worker runs `local_step`, `sync` and the check after
-    them, with the learners' threads."""
+    thread fetches the batches on one thread, each learner's worker runs its row's `local_step`, and learner 0's
+    runs `sync` and the check after it, all with the learners' threads."""
     train = synthetic_dataset((1, 6, 6), 10, 64 * comm.size, seed=0)
     cfg = Config(run_dir=str(shared_tmp / "two"), engine="threads", learners=2, batch_size=8, threads=2, seed=4)
     run = Trainer(cfg, comm).start(convnet, train)
-    seen: dict[str, tuple[int, int]] = {}
+    seen: dict[str, list] = {}
 
     def spy(name, call):
-        return lambda *args: (seen.setdefault(name, (threading.get_ident(), torch.get_num_threads())), call(*args))[1]
+        def spied(*args):
+            seen.setdefault(name, []).append((threading.get_ident(), torch.get_num_threads(), *args[:1]))
+            return call(*args)
+
+        return spied
 
     run.prefetcher.batches = spy("batches", run.prefetcher.batches)
     run.algorithm.local_step = spy("local_step", run.algorithm.local_step)
     run.algorithm.sync = spy("sync", run.algorithm.sync)
     learner_step = run.engine.learner_step
-    run.engine.learner_step = lambda ls, j, b: (j or spy("learner 0", lambda: None)(), learner_step(ls, j, b))[1]
+    run.engine.learner_step = lambda ls, j, b: spy(f"learner {j}", learner_step)(ls, j, b)
     run.train_step(0.05)
     run.engine.after_sync(spy("check", run.central.z.sum))()
     run.engine.close()
-    first_worker = seen["learner 0"][0]
-    assert seen["batches"] == (threading.get_ident(), 1)
-    assert seen["local_step"] == seen["sync"] == seen["check"] == (first_worker, 1)
-    assert first_worker != threading.get_ident() and torch.get_num_threads() == 2
+    workers = [seen[f"learner {j}"][0][0] for j in range(2)]
+    assert [call[:2] for call in seen["batches"]] == [(threading.get_ident(), 1)]
+    assert sorted(seen["local_step"], key=lambda call: call[2].start) == [
+        (workers[0], 1, slice(0, 1)),
+        (workers[1], 1, slice(1, 2)),
+    ]
+    assert [call[:2] for call in seen["sync"] + seen["check"]] == [(workers[0], 1)] * 2
+    assert len({threading.get_ident(), *workers}) == 3 and torch.get_num_threads() == 2
 
 
 def test_the_threads_engine_runs_more_learners_than_threads_in_one_worker_per_thread(monkeypatch):

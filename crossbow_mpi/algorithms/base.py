@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from crossbow_mpi.comm import Communicator
@@ -47,6 +49,9 @@ class Algorithm:
     overlaps_sync = False
     """Whether a learner's next forward pass may run during the sync: true when the sync writes nothing a
     learner reads before its own `local_step`."""
+    fused_update: Callable[..., None] | None = None
+    """The fused learner step of `--fused-step` (SMA's) or central step (S-SGD's), or None for the in-place
+    sequence."""
 
     def __init__(self, hp: HyperParams, transport: Communicator, central: CentralModel, learners: Learners):
         self.hp = hp
@@ -95,6 +100,13 @@ class Algorithm:
         if staged is not self.staged:
             self.staged = staged
             self.message = staged[0]
+
+    @property
+    def steps_rows_apart(self) -> bool:
+        """Whether `local_step` may run for disjoint rows on several threads at once: not with per-learner optimizers
+        (a row's first step allocates state matrices the rows share) nor with a fused step (compiled at its first
+        call)."""
+        return self.learners.optimizers is None and self.fused_update is None
 
     def local_step(self, rows: slice, lr: float) -> None:
         """Run the learners' own part of the step for the learners in `rows`, staging their sync message rows."""

@@ -38,6 +38,9 @@ class AlgorithmSteps(Protocol):
     learners: Learners
     overlaps_sync: bool
 
+    @property
+    def steps_rows_apart(self) -> bool: ...
+
     def allocate_message(self) -> None: ...
 
     def local_step(self, rows: slice, lr: float) -> None: ...
@@ -167,15 +170,16 @@ class SequentialEngine(LearnerEngine):
 
 class ThreadEngine(LearnerEngine):
     """Run the k learners at the same time on min(k, threads) worker threads, each taking a contiguous group of
-    learners in turn (torch releases the GIL inside its kernels); the first worker also runs the step's
-    `local_step`, its `sync` and the check after it, with its learners' threads.
+    learners in turn (torch releases the GIL inside its kernels). Each worker then runs `local_step` for the rows
+    of its learners (all on the first worker where the rows cannot step apart: `steps_rows_apart`), and the first
+    worker runs the `sync` and the check after it, all with the learners' threads.
 
     Each learner computes with threads // k intra-op threads, as in every engine, so at most `threads` kernels'
     threads are busy at once: with one worker per learner, k = 4 learners on 2 threads ran 4 busy threads on 2
     cores, and the operating system's time slicing then decided the step's time. A thread that ran an op on more
     threads leaves the rest of its OpenMP team spinning for its next one (libgomp's default, a few milliseconds),
-    so the calling thread computes its part of the step (the batches) on one thread, and the first worker, whose
-    team is its learners', runs the rest.
+    so the calling thread computes its part of the step (the batches) on one thread, and the workers, whose
+    teams are their learners', run the rest.
     """
 
     name = "threads"
@@ -201,10 +205,14 @@ class ThreadEngine(LearnerEngine):
             return self.run_in_turn(learners, batches)
         while len(self.workers) < workers:
             self.workers.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"learner-{len(self.workers)}"))
-        bounds = [learners.k * i // workers for i in range(workers + 1)]
-        groups = [range(start, end) for start, end in pairwise(bounds)]
-        futures = [self.workers[i].submit(self.run_group, learners, group, batches) for i, group in enumerate(groups)]
+        futures = [self.workers[i].submit(self.run_group, learners, group, batches) for i, group in self.groups()]
         return [loss for future in futures for loss in future.result()]
+
+    def groups(self) -> Iterator[tuple[int, range]]:
+        """Each worker of the current step and the contiguous group of learners it runs."""
+        workers = self.concurrency(self.k)
+        bounds = [self.k * i // workers for i in range(workers + 1)]
+        return enumerate(range(start, end) for start, end in pairwise(bounds))
 
     def run_group(self, learners: Learners, group: range, batches: list[Batch]) -> list[torch.Tensor]:
         """Run the learners of `group` one after another on this worker thread."""
@@ -222,7 +230,17 @@ class ThreadEngine(LearnerEngine):
             use_threads(self.threads)
 
     def local_step(self, algorithm: AlgorithmSteps, lr: float) -> None:
-        self.on_first_worker(super().local_step, algorithm, lr)
+        """Each worker steps the rows of the learners it ran, where the algorithm lets rows step apart."""
+        if not algorithm.steps_rows_apart or not self.on_workers():
+            self.on_first_worker(super().local_step, algorithm, lr)
+            return
+        algorithm.allocate_message()
+        futures = [
+            self.workers[i].submit(self._with_learner_threads, algorithm.local_step, slice(group.start, group.stop), lr)
+            for i, group in self.groups()
+        ]
+        for future in futures:
+            future.result()
 
     def sync(self, algorithm: AlgorithmSteps, lr: float) -> None:
         self.on_first_worker(super().sync, algorithm, lr)
@@ -232,9 +250,13 @@ class ThreadEngine(LearnerEngine):
 
     def on_first_worker(self, work: Callable, *args):
         """Return work(*args), run on the first worker with the learners' threads where the step ran on workers."""
-        if self.concurrency(self.k) == 1 or not self.workers:
+        if not self.on_workers():
             return work(*args)
         return self.workers[0].submit(self._with_learner_threads, work, *args).result()
+
+    def on_workers(self) -> bool:
+        """Whether the current step's learners ran on the workers."""
+        return 1 < self.concurrency(self.k) <= len(self.workers)
 
     def _with_learner_threads(self, work: Callable, *args):
         use_threads(self.learner_threads(self.k))
