@@ -5,7 +5,10 @@ channels_last` and the bare loop's) and oneDNN.
 On 2 ranks × 1 thread, crossbow_mpi trains LeNet on MNIST and ResNet-32 on synthetic CIFAR: S-SGD at batch 64
 (as is, with `--compile`, with each rank pinned to its own core and channels-last) and SMA with 2 learners at
 batch 16 (as is and channels-last). A bare PyTorch loop (SGD with momentum, batch 64) on each rank at once runs
-as is, channels-last, and with oneDNN (mkldnn) switched off to see what it gives. Training FLOPs per sample are
+as is, channels-last, and with oneDNN (mkldnn) switched off to see what it gives, on one batch again and again;
+channels-last at batch 16 (SMA's learners' batch); and channels-last as a data-parallel loop, which takes a fresh
+batch every step and averages the gradients over the ranks with one Allreduce before its step, so that it waits
+for the slower rank every step as synchronous training does. Training FLOPs per sample are
 counted with torch.utils.flop_counter.FlopCounterMode over one forward and backward pass and multiplied by the
 measured samples/s of all ranks; crossbow_mpi's samples/s are its last evaluation window's, the second half of
 the run, so that a compile in the first step is not counted. The peak is every rank multiplying two n×n float32
@@ -44,7 +47,14 @@ CONFIGS = {
     },
 }
 """crossbow_mpi's runs; `pinned` binds each rank to its own core for the run."""
-BARE = ("bare b=64", "bare b=64 channels-last", "bare b=64 no oneDNN")
+BARE = {
+    "bare b=64": {"batch_size": 64},
+    "bare b=64 channels-last": {"batch_size": 64, "channels_last": True},
+    "bare b=64 no oneDNN": {"batch_size": 64, "onednn": False},
+    "bare b=16 channels-last": {"batch_size": 16, "channels_last": True},
+    "bare b=64 channels-last data-parallel": {"batch_size": 64, "channels_last": True, "data_parallel": True},
+}
+"""The bare loops (`bare_samples_per_s`'s options); b = 16 runs 4× the steps, the samples of b = 64."""
 
 
 @dataclass
@@ -97,27 +107,58 @@ def flops_per_sample(model_fn, train_set, batch: int) -> float:
     return counter.get_total_flops() / batch
 
 
-def bare_samples_per_s(model_fn, train_set, steps: int, variant: str) -> float:
-    """Train the model with plain PyTorch for `steps` batches (the first one untimed); return samples/s."""
+def bare_samples_per_s(
+    model_fn,
+    train_set,
+    steps: int,
+    world,
+    batch_size: int,
+    channels_last: bool = False,
+    onednn: bool = True,
+    data_parallel: bool = False,
+) -> float:
+    """Train the model with plain PyTorch for `steps` batches (the first one untimed) on one batch again and again,
+    or with `data_parallel` on a fresh batch every step, averaging the gradients over the ranks; return samples/s."""
     import torch
     import torch.nn.functional as F
 
-    model = model_fn()
-    inputs, targets = train_set.get_batch(torch.arange(BARE_BATCH))
-    if variant.endswith("channels-last"):
-        model, inputs = (
-            model.to(memory_format=torch.channels_last),
-            inputs.contiguous(memory_format=torch.channels_last),
-        )
+    model = model_fn().to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(world.Get_rank()))
+    one = _in_format(train_set.get_batch(torch.arange(batch_size)), channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    with torch.backends.mkldnn.flags(enabled=not variant.endswith("no oneDNN")):
+    with torch.backends.mkldnn.flags(enabled=onednn):
         for step in range(steps + 1):
             if step == 1:
                 started = time.perf_counter()
+            batch = order[step * batch_size : (step + 1) * batch_size]
+            inputs, targets = _in_format(train_set.get_batch(batch), channels_last) if data_parallel else one
             optimizer.zero_grad()
             F.cross_entropy(model(inputs), targets).backward()
+            if data_parallel:
+                average_gradients(model, world)
             optimizer.step()
-    return steps * BARE_BATCH / (time.perf_counter() - started)
+    return steps * batch_size / (time.perf_counter() - started)
+
+
+def _in_format(batch, channels_last: bool):
+    import torch
+
+    inputs, targets = batch
+    return (inputs.contiguous(memory_format=torch.channels_last) if channels_last else inputs), targets
+
+
+def average_gradients(model, world) -> None:
+    """Replace every gradient by its mean over the ranks: one Allreduce of them all, as a hand-written loop does."""
+    import torch
+
+    from crossbow_mpi.runtime import process
+
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    world.Allreduce(process.mpi().IN_PLACE, flat.numpy())
+    flat /= world.Get_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view(g.shape))
 
 
 def worker(settings: dict) -> dict:
@@ -192,24 +233,24 @@ def _model_variants(model: str, settings: dict, world, all_ranks) -> tuple[dict,
 
         return run
 
-    def bare(variant: str):
+    def bare(options: dict):
         def run(rep: int) -> dict:
             world.Barrier()
-            steps = settings["bare_steps"][model]
-            return {"samples_per_s": all_ranks(bare_samples_per_s(model_fn, train_set, steps, variant))}
+            steps = settings["bare_steps"][model] * BARE_BATCH // options["batch_size"]
+            return {"samples_per_s": all_ranks(bare_samples_per_s(model_fn, train_set, steps, world, **options))}
 
         return run
 
     variants = {
         f"{model} {name}": training(CONFIGS[name], pinned=name.endswith("pinned")) for name in settings["configs"]
     }
-    variants |= {f"{model} {name}": bare(name) for name in BARE}
+    variants |= {f"{model} {name}": bare(options) for name, options in BARE.items()}
     batches = {BARE_BATCH, CONFIGS["sma k=2 b=16"]["batch_size"]}
     return variants, {batch: flops_per_sample(model_fn, train_set, batch) for batch in batches}
 
 
 def batch_size(config: str) -> int:
-    return CONFIGS[config]["batch_size"] if config in CONFIGS else BARE_BATCH
+    return (CONFIGS[config] if config in CONFIGS else BARE[config])["batch_size"]
 
 
 def measure(options: harness.Options) -> harness.Report:
@@ -236,7 +277,7 @@ def measure(options: harness.Options) -> harness.Report:
     return harness.Report(
         question=f"Training FLOP/s (FlopCounterMode forward+backward × samples/s) over a {budget.matmul_n}² float32 "
         f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled, pinned and "
-        "channels-last, and a bare loop with channels-last and without oneDNN",
+        "channels-last, and a bare loop with channels-last, without oneDNN, at SMA's batch and data-parallel",
         columns=COLUMNS,
         rows=rows,
         runs=runs,
