@@ -124,14 +124,14 @@ def bare_samples_per_s(
 
     model = model_fn().to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(world.Get_rank()))
-    one = _in_format(train_set.get_batch(torch.arange(batch_size)), channels_last)
+    one = None if data_parallel else _in_format(train_set.get_batch(torch.arange(batch_size)), channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with torch.backends.mkldnn.flags(enabled=onednn):
         for step in range(steps + 1):
             if step == 1:
                 started = time.perf_counter()
             batch = order[step * batch_size : (step + 1) * batch_size]
-            inputs, targets = _in_format(train_set.get_batch(batch), channels_last) if data_parallel else one
+            inputs, targets = one or _in_format(train_set.get_batch(batch), channels_last)
             optimizer.zero_grad()
             F.cross_entropy(model(inputs), targets).backward()
             if data_parallel:
