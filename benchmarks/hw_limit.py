@@ -3,9 +3,10 @@ and what moves it: compiled learners, ranks pinned to cores, channels-last (cros
 channels_last` and the bare loop's) and oneDNN.
 
 On 2 ranks × 1 thread, crossbow_mpi trains LeNet on MNIST and ResNet-32 on synthetic CIFAR: S-SGD at batch 64
-(as is, with `--compile`, with each rank pinned to its own core and channels-last) and SMA with 2 learners at
-batch 16 (as is and channels-last). A bare PyTorch loop (SGD with momentum, batch 64) on each rank at once runs
-as is, channels-last, and with oneDNN (mkldnn) switched off to see what it gives, on one batch again and again;
+(as is, with `--compile`, with each rank pinned to its own core, channels-last, and channels-last compiled) and SMA
+with 2 learners at batch 16 (as is, channels-last, and channels-last compiled). A bare PyTorch loop (SGD with
+momentum, batch 64) on each rank at once runs as is, channels-last, channels-last with its forward pass and loss
+compiled (not in --quick), and with oneDNN (mkldnn) switched off to see what it gives, on one batch again and again;
 channels-last at batch 16 (SMA's learners' batch); and channels-last as a data-parallel loop, which takes a fresh
 batch every step and averages the gradients over the ranks with one Allreduce before its step, so that it waits
 for the slower rank every step as synchronous training does. Training FLOPs per sample are
@@ -45,6 +46,20 @@ CONFIGS = {
         "batch_size": 16,
         "memory_format": "channels_last",
     },
+    "ssgd k=1 b=64 channels-last compiled": {
+        "algorithm": "ssgd",
+        "learners": 1,
+        "batch_size": 64,
+        "memory_format": "channels_last",
+        "compile": True,
+    },
+    "sma k=2 b=16 channels-last compiled": {
+        "algorithm": "sma",
+        "learners": 2,
+        "batch_size": 16,
+        "memory_format": "channels_last",
+        "compile": True,
+    },
 }
 """crossbow_mpi's runs; `pinned` binds each rank to its own core for the run."""
 BARE = {
@@ -53,6 +68,7 @@ BARE = {
     "bare b=64 no oneDNN": {"batch_size": 64, "onednn": False},
     "bare b=16 channels-last": {"batch_size": 16, "channels_last": True},
     "bare b=64 channels-last data-parallel": {"batch_size": 64, "channels_last": True, "data_parallel": True},
+    "bare b=64 channels-last compiled": {"batch_size": 64, "channels_last": True, "compiled": True},
 }
 """The bare loops (`bare_samples_per_s`'s options); b = 16 runs 4× the steps, the samples of b = 64."""
 
@@ -68,6 +84,8 @@ class Budget:
     models: tuple[str, ...]
     configs: tuple[str, ...]
     """crossbow_mpi's runs (of `CONFIGS`)."""
+    bare: tuple[str, ...]
+    """The bare loops (of `BARE`)."""
     matmul_n: int
     matmul_calls: int
     timeout_s: float
@@ -78,6 +96,7 @@ FULL = Budget(
     bare_steps={"lenet": 100, "resnet32": 8},
     models=tuple(MODELS),
     configs=tuple(CONFIGS),
+    bare=tuple(BARE),
     matmul_n=2048,
     matmul_calls=5,
     timeout_s=1200,
@@ -87,6 +106,7 @@ QUICK = Budget(
     bare_steps={"lenet": 4},
     models=("lenet",),
     configs=("ssgd k=1 b=64", "ssgd k=1 b=64 pinned", "sma k=2 b=16", "ssgd k=1 b=64 channels-last"),
+    bare=tuple(name for name in BARE if not name.endswith("compiled")),
     matmul_n=256,
     matmul_calls=2,
     timeout_s=140,
@@ -116,12 +136,18 @@ def bare_samples_per_s(
     channels_last: bool = False,
     onednn: bool = True,
     data_parallel: bool = False,
+    compiled: bool = False,
 ) -> float:
-    """Train the model with plain PyTorch for `steps` batches (the first one untimed) on one batch again and again,
-    or with `data_parallel` on a fresh batch every step, averaging the gradients over the ranks; return samples/s."""
+    """Train the model with plain PyTorch for `steps` batches (the first one untimed, where `compiled` compiles the
+    forward pass and loss as crossbow_mpi's `--compile` does) on one batch again and again, or with `data_parallel`
+    on a fresh batch every step, averaging the gradients over the ranks; return samples/s."""
     import torch
     import torch.nn.functional as F
 
+    def model_loss(model, inputs, targets):
+        return F.cross_entropy(model(inputs), targets)
+
+    loss_of = torch.compile(model_loss) if compiled else model_loss
     model = model_fn().to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(world.Get_rank()))
     one = None if data_parallel else _in_format(train_set.get_batch(torch.arange(batch_size)), channels_last)
@@ -133,7 +159,7 @@ def bare_samples_per_s(
             batch = order[step * batch_size : (step + 1) * batch_size]
             inputs, targets = one or _in_format(train_set.get_batch(batch), channels_last)
             optimizer.zero_grad()
-            F.cross_entropy(model(inputs), targets).backward()
+            loss_of(model, inputs, targets).backward()
             if data_parallel:
                 average_gradients(model, world)
             optimizer.step()
@@ -244,7 +270,7 @@ def _model_variants(model: str, settings: dict, world, all_ranks) -> tuple[dict,
     variants = {
         f"{model} {name}": training(CONFIGS[name], pinned=name.endswith("pinned")) for name in settings["configs"]
     }
-    variants |= {f"{model} {name}": bare(options) for name, options in BARE.items()}
+    variants |= {f"{model} {name}": bare(BARE[name]) for name in settings["bare"]}
     batches = {BARE_BATCH, CONFIGS["sma k=2 b=16"]["batch_size"]}
     return variants, {batch: flops_per_sample(model_fn, train_set, batch) for batch in batches}
 
@@ -260,7 +286,7 @@ def measure(options: harness.Options) -> harness.Report:
     peak = harness.median(harness.column(runs, "matmul", "flops_per_s"))
     rows = []
     for model in budget.models:
-        for config in (*budget.configs, *BARE):
+        for config in (*budget.configs, *budget.bare):
             flops = measured["flops_per_sample"][model][str(batch_size(config))]
             rate = harness.median(harness.column(runs, f"{model} {config}", "samples_per_s"))
             rows.append(
@@ -276,8 +302,9 @@ def measure(options: harness.Options) -> harness.Report:
             )
     return harness.Report(
         question=f"Training FLOP/s (FlopCounterMode forward+backward × samples/s) over a {budget.matmul_n}² float32 "
-        f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled, pinned and "
-        "channels-last, and a bare loop with channels-last, without oneDNN, at SMA's batch and data-parallel",
+        f"matmul's FLOP/s, {RANKS} ranks × 1 thread (medians): crossbow_mpi as is, compiled, pinned, "
+        "channels-last and both, and a bare loop with channels-last, compiled, without oneDNN, at SMA's batch and "
+        "data-parallel",
         columns=COLUMNS,
         rows=rows,
         runs=runs,

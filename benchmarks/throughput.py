@@ -54,11 +54,13 @@ def measure(options: harness.Options) -> harness.Report:
     }
     systems = {"ddp": {}, "crossbow": {"algorithm": "ssgd", "learners": 1}}
     systems |= {f"{name} channels-last": {**extra, "memory_format": "channels_last"} for name, extra in systems.items()}
-    layouts = {(layout, system): extra for layout in LAYOUTS for system, extra in systems.items()}
-    layouts |= {
-        (SMA_LAYOUT, f"crossbow sma k={k}"): {"algorithm": "sma", "learners": k, "engine": "threads"}
-        for k in budget.sma_learners
-    }
+    sma = {f"crossbow sma k={k}": {"algorithm": "sma", "learners": k, "engine": "threads"} for k in budget.sma_learners}
+    layouts = {}
+    for layout in LAYOUTS:
+        for system, extra in systems.items():
+            layouts[layout, system] = extra
+            if (layout, system) == (SMA_LAYOUT, "ddp"):  # right after their peer: the machine's drift in between
+                layouts |= {(layout, name): sma_extra for name, sma_extra in sma.items()}
     variants = {
         (layout, system): harness.seeded(
             system.split()[0], LAYOUTS[layout][0], {**flags, **extra, "threads": LAYOUTS[layout][1]}, budget.timeout_s

@@ -669,3 +669,44 @@ def test_a_refused_benchmark_flag_is_one_line_and_writes_nothing(flag, why, tmp_
     )
     assert done.returncode == 2 and f"argument {flag[0]}: {why}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_throughput_runs_sma_right_after_its_ddp_peer_and_compares_each_repetition_with_it(monkeypatch):
+    from benchmarks import harness, throughput
+
+    order: list[str] = []
+
+    def interleave(variants, reps, quiet=False):
+        order.extend(variants)
+        rate = {"ddp 1 rank x 2 threads": 100.0, "crossbow sma k=2 1 rank x 2 threads": 90.0}
+        return [
+            {"variant": name, "rep": rep, "samples_per_s": rate.get(name, 100.0 + rep)}
+            for rep in range(reps)
+            for name in variants
+        ]
+
+    monkeypatch.setattr(harness, "interleave", interleave)
+    report = throughput.measure(SimpleNamespace(quick=False, reps=2))
+    peer = order.index("ddp 1 rank x 2 threads")
+    assert order[peer + 1 : peer + 3] == ["crossbow sma k=2 1 rank x 2 threads", "crossbow sma k=4 1 rank x 2 threads"]
+    assert len(order) == len(set(order)) == 10
+    rows = {(row["layout"], row["system"]): row for row in report.rows}
+    assert rows["1 rank x 2 threads", "crossbow sma k=2"]["worst_rep_vs_ddp"] == 0.9
+    assert rows["1 rank x 2 threads", "crossbow sma k=4"]["worst_rep_vs_ddp"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_hw_limit_bare_loop_runs_compiled_and_channels_last():
+    from benchmarks.hw_limit import bare_samples_per_s
+    from crossbow_mpi.data import build_dataset
+    from crossbow_mpi.models import build_model
+    from crossbow_mpi.runtime import process
+
+    train_set, _ = build_dataset("synthetic-mnist", str(REPO / "datasets" / "mnist"), seed=1)
+
+    def model_fn():
+        return build_model("lenet", train_set.input_shape, train_set.num_classes)
+
+    world = process.mpi().COMM_SELF
+    rate = bare_samples_per_s(model_fn, train_set, 2, world, batch_size=8, channels_last=True, compiled=True)
+    assert 0 < rate < float("inf")
