@@ -99,7 +99,7 @@ FULL = Budget(
     bare=tuple(BARE),
     matmul_n=2048,
     matmul_calls=5,
-    timeout_s=1200,
+    timeout_s=3600,
 )
 QUICK = Budget(
     samples={"lenet": 640},
