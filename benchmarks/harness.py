@@ -167,7 +167,10 @@ def main(
     options = Options(name, args.quick, args.out, args.reps or (1 if args.quick else full_reps), store)
     started = datetime.datetime.now(datetime.UTC)
     load_before = os.getloadavg()
-    report = measure(options)
+    try:
+        report = measure(options)
+    except BenchmarkError as err:  # the failed job's own output says why; Python's stack would not
+        sys.exit(f"benchmarks.{name}: {err}")
     if unknown := sorted(set(args.phases or ()) - store.asked):
         asked = ", ".join(sorted(store.asked))
         print(f"--phases: no run was asked in {', '.join(unknown)} (asked: {asked})", file=sys.stderr, flush=True)

@@ -710,3 +710,18 @@ def test_the_hw_limit_bare_loop_runs_compiled_and_channels_last():
     world = process.mpi().COMM_SELF
     rate = bare_samples_per_s(model_fn, train_set, 2, world, batch_size=8, channels_last=True, compiled=True)
     assert 0 < rate < float("inf")
+
+
+def test_a_failed_job_ends_the_benchmark_with_its_output_and_no_traceback(tmp_path, monkeypatch, capsys):
+    from benchmarks import harness
+
+    def measure(options):
+        raise harness.BenchmarkError("-m benchmarks.x on 2 ranks hung past 9 s:\nlast line of its output", hung=True)
+
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(REPO / "benchmarks" / "fake.py")))
+    monkeypatch.setattr(sys, "argv", ["fake.py", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exited:
+        harness.main(measure)
+    why = exited.value.code
+    assert why == "benchmarks.fake: -m benchmarks.x on 2 ranks hung past 9 s:\nlast line of its output", why
+    assert not list((tmp_path / "out").iterdir()), "a failed benchmark wrote a result"
