@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,13 +66,16 @@ def param_cut(model, stages: int) -> list[int]:
 
 
 def time_cut(model, stages: int, inputs: torch.Tensor, reps: int = 5) -> list[int]:
-    """The cut that minimises the largest stage's forward+backward time, each unit timed (median of `reps`) on
-    the output of the units before it, starting from `inputs` (a micro-batch)."""
-    costs = []
-    for unit in stage_units(model, stages):
-        seconds, inputs = forward_backward_s(nn.Sequential(*unit), inputs, reps)
-        costs.append(seconds)
-    return _balanced_cuts(costs, stages)
+    """The cut that minimises the largest stage's forward+backward time, each unit run on the output of the units
+    before it, starting from `inputs` (a micro-batch). The units are timed in turn for `reps` rounds and each keeps
+    its fastest pass, so that a burst of load from other processes slows a round, not one unit's every pass."""
+    passes = []
+    for i, unit in enumerate(stage_units(model, stages)):
+        once = _forward_backward(nn.Sequential(*unit), inputs, input_grad=i > 0)
+        inputs = once()  # untimed: it warms the unit up and feeds the next
+        passes.append(once)
+    fastest = [min(row) for row in zip(*([_seconds(once) for once in passes] for _ in range(reps)), strict=True)]
+    return _balanced_cuts(fastest, stages)
 
 
 def forward_backward_s(
@@ -80,6 +84,15 @@ def forward_backward_s(
     """Return the median time of `reps` forward+backward passes of `module` on `inputs` (after one untimed pass)
     and its output; the backward pass is of `loss_fn(output)`, by default of the output's sum, and with
     `input_grad` (as in every stage but the first) also computes the gradient of floating-point inputs."""
+    once = _forward_backward(module, inputs, loss_fn, input_grad)
+    y = once()
+    return statistics.median(_seconds(once) for _ in range(reps)), y
+
+
+def _forward_backward(
+    module: nn.Module, inputs: torch.Tensor, loss_fn=None, input_grad: bool = True
+) -> Callable[[], torch.Tensor]:
+    """A function that runs one forward+backward pass (see `forward_backward_s`) and returns the output."""
 
     def once() -> torch.Tensor:
         x = inputs.detach().requires_grad_(input_grad and inputs.is_floating_point())
@@ -89,13 +102,13 @@ def forward_backward_s(
             torch.cuda.synchronize(y.device)
         return y.detach()
 
-    y = once()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), y
+    return once
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
 
 
 def _trainable(*modules: nn.Module) -> int:
