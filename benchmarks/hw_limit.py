@@ -29,37 +29,18 @@ TEST_SAMPLES = 1000
 BARE_BATCH = 64
 MODELS = {"lenet": "mnist", "resnet32": "synthetic-cifar"}
 """Each model and the dataset it trains on."""
+_SSGD = {"algorithm": "ssgd", "learners": 1, "batch_size": 64}
+_SMA = {"algorithm": "sma", "learners": 2, "batch_size": 16}
+_CHANNELS_LAST = {"memory_format": "channels_last"}
 CONFIGS = {
-    "ssgd k=1 b=64": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
-    "ssgd k=1 b=64 compiled": {"algorithm": "ssgd", "learners": 1, "batch_size": 64, "compile": True},
-    "ssgd k=1 b=64 pinned": {"algorithm": "ssgd", "learners": 1, "batch_size": 64},
-    "sma k=2 b=16": {"algorithm": "sma", "learners": 2, "batch_size": 16},
-    "ssgd k=1 b=64 channels-last": {
-        "algorithm": "ssgd",
-        "learners": 1,
-        "batch_size": 64,
-        "memory_format": "channels_last",
-    },
-    "sma k=2 b=16 channels-last": {
-        "algorithm": "sma",
-        "learners": 2,
-        "batch_size": 16,
-        "memory_format": "channels_last",
-    },
-    "ssgd k=1 b=64 channels-last compiled": {
-        "algorithm": "ssgd",
-        "learners": 1,
-        "batch_size": 64,
-        "memory_format": "channels_last",
-        "compile": True,
-    },
-    "sma k=2 b=16 channels-last compiled": {
-        "algorithm": "sma",
-        "learners": 2,
-        "batch_size": 16,
-        "memory_format": "channels_last",
-        "compile": True,
-    },
+    "ssgd k=1 b=64": _SSGD,
+    "ssgd k=1 b=64 compiled": {**_SSGD, "compile": True},
+    "ssgd k=1 b=64 pinned": _SSGD,
+    "sma k=2 b=16": _SMA,
+    "ssgd k=1 b=64 channels-last": {**_SSGD, **_CHANNELS_LAST},
+    "sma k=2 b=16 channels-last": {**_SMA, **_CHANNELS_LAST},
+    "ssgd k=1 b=64 channels-last compiled": {**_SSGD, **_CHANNELS_LAST, "compile": True},
+    "sma k=2 b=16 channels-last compiled": {**_SMA, **_CHANNELS_LAST, "compile": True},
 }
 """crossbow_mpi's runs; `pinned` binds each rank to its own core for the run."""
 BARE = {

@@ -696,7 +696,9 @@ def test_throughput_runs_sma_right_after_its_ddp_peer_and_compares_each_repetiti
 
 
 @pytest.mark.slow
-def test_the_hw_limit_bare_loop_runs_compiled_and_channels_last():
+def test_the_hw_limit_bare_loop_runs_compiled_and_channels_last(monkeypatch):
+    import torch
+
     from benchmarks.hw_limit import bare_samples_per_s
     from crossbow_mpi.data import build_dataset
     from crossbow_mpi.models import build_model
@@ -707,12 +709,14 @@ def test_the_hw_limit_bare_loop_runs_compiled_and_channels_last():
     def model_fn():
         return build_model("lenet", train_set.input_shape, train_set.num_classes)
 
+    compiled, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(fn.__name__) or compile_(fn, **options))
     world = process.mpi().COMM_SELF
     rate = bare_samples_per_s(model_fn, train_set, 2, world, batch_size=8, channels_last=True, compiled=True)
-    assert 0 < rate < float("inf")
+    assert 0 < rate < float("inf") and compiled == ["model_loss"], compiled
 
 
-def test_a_failed_job_ends_the_benchmark_with_its_output_and_no_traceback(tmp_path, monkeypatch, capsys):
+def test_a_failed_job_ends_the_benchmark_with_its_output_and_no_traceback(tmp_path, monkeypatch):
     from benchmarks import harness
 
     def measure(options):
