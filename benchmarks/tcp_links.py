@@ -60,7 +60,13 @@ class Budget:
 
 FULL = Budget(("100mbit", "10mbit"), (1, 2), 5, "mnist", {"per_step": 0.1, "h16": 0.5}, 900, ("100mbit",), 3)
 QUICK = Budget(("host",), (1, 2), 2, "synthetic-mnist", {"per_step": 0.005, "h16": 0.05}, 120, ("host",), 1)
-COLUMNS = ["link", "tcp_links", "allreduce_s", "link_share", "rd_s", "rd_share", "socket_s", "socket_share"]
+SECONDS_COLUMNS = (
+    ("allreduce", "links", "link_share"),
+    ("rd", "rd links", "rd_share"),
+    ("socket", "sockets", "socket_share"),
+)
+"""Each timed variant's column prefix, its name in the runs, and its share-of-the-link column."""
+COLUMNS = ["link", "tcp_links", *(name for column, _, share in SECONDS_COLUMNS for name in (f"{column}_s", share))]
 COLUMNS += ["per_step_samples_per_s", "per_step_vs_one"]
 COLUMNS += ["h16_samples_per_s", "h16_vs_one", "per_step_tta_s", "per_step_tta_vs_one"]
 
@@ -198,9 +204,8 @@ def link_rows(rate: str, budget: Budget, timed: list[dict], trained: list[dict])
     bound = bound_s(rate, floats("lenet"))
     for links in budget.links:
         row: dict = {"link": rate, "tcp_links": links}
-        for column, variant in (("allreduce", "links"), ("rd", "rd links"), ("socket", "sockets")):
+        for column, variant, share in SECONDS_COLUMNS:
             mean = mean_seconds(timed, f"{variant}={links}")
-            share = "link_share" if column == "allreduce" else f"{column}_share"
             row |= {f"{column}_s": mean, share: harness.ratio(bound, mean)}
         for prefix in TRAINED:
             samples = harness.median(harness.column(trained, f"{prefix} links={links}", "samples_per_s"))
