@@ -175,6 +175,22 @@ def test_a_cut_by_time_balances_compute_and_a_cut_is_checked():
             split_model(model, 2, cut)
 
 
+def test_a_burst_of_load_slows_a_round_of_the_time_cut_not_one_unit(monkeypatch):
+    """The first three passes timed take 10 ms more, as under a burst of load from another process: timed one unit
+    after another, unit 0 would cost 11.6 ms by its median and the cut would be [1]."""
+    from crossbow_mpi.parallel import partition
+
+    costs_s, units, timed = [1.6e-3, 2.9e-3, 2.9e-3, 0.4e-3, 0.3e-3], {}, []
+
+    def seconds(run) -> float:
+        timed.append(units.setdefault(run, len(units)))
+        return costs_s[timed[-1]] + (10e-3 if len(timed) <= 3 else 0.0)
+
+    monkeypatch.setattr(partition, "_seconds", seconds)
+    assert time_cut(convs_then_dense(), 2, torch.randn(2, 1, 6, 6)) == [2]
+    assert timed == list(range(5)) * 5, "each round times every unit once, in order"
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_time_cut_is_checkpointed_and_a_resume_takes_it(comm, shared_tmp):
     needs_stages(comm, 2)
